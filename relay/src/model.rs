@@ -292,6 +292,49 @@ pub struct Batch {
     pub events: Vec<Event>,
 }
 
+/// A rank-scoped change of the relay's knowledge of the engine, carried in the history and the
+/// streams in order with the batches.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum ControlKind {
+    /// The rank's publisher restarted: every block of the rank is gone; rebuild from what follows.
+    RankReset { reason: String },
+    /// A gap the replay buffer could not cover: removals may be missing, so stale blocks may be
+    /// held until the rank's state is known again.
+    RankDegraded { reason: String },
+    /// The engine had announced blocks before the relay could see them (its replay buffer no
+    /// longer starts at seq 0): old blocks may be missing, no stale ones are held.
+    RankIncomplete { reason: String },
+    /// The rank's state is known again (a clear or a restart after degraded/incomplete).
+    RankRecovered,
+}
+
+/// A control event for one rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Control {
+    pub dp_rank: u32,
+    #[serde(flatten)]
+    pub kind: ControlKind,
+}
+
+/// What one history entry holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "record", rename_all = "snake_case")]
+pub enum RecordBody {
+    /// An engine batch, with the engine's latest load when it was committed.
+    Batch { batch: Batch, load: Option<Load> },
+    /// A control event.
+    Control(Control),
+}
+
+/// One committed history entry: the relay cursor (one `u64` sequence per relay, across all
+/// ranks, starting at 1) and what it holds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Record {
+    pub cursor: u64,
+    pub body: RecordBody,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
