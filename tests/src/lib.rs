@@ -1,1 +1,27 @@
+//! # kv-relay-testkit: the mock engine
+//!
+//! A stand-in for vLLM and SGLang KV-event publishers, good enough to test the relay without
+//! GPUs: every wire layout, the replay socket, load metrics, generated or recorded traffic,
+//! the engine's own truth, and faults on demand. The `mock-engine` binary drives the same
+//! library from the command line.
+//!
+//! # Layout
+//! - [`wire`]: the engine-side event model and its msgpack encoding for every release.
+//! - [`decode`]: a small tolerant decoder (rmpv) for checking what went on the wire.
+//! - [`truth`]: the live blocks per (rank, medium, group) with copy counts.
+//! - [`publisher`]: one DP rank's PUB + replay ROUTER thread, and its wire-level faults.
+//! - [`engine`]: the mock engine: ranks, truth, load, faults, generated requests.
+//! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
+//! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).
+//! - [`metrics`]: the `/metrics` endpoint with the engines' load gauges.
+//! - [`client`]: SUB / DEALER helpers and free-port finding for loopback tests.
 
+pub mod client;
+pub mod decode;
+pub mod engine;
+pub mod hashing;
+pub mod metrics;
+pub mod publisher;
+pub mod traffic;
+pub mod truth;
+pub mod wire;
