@@ -2,8 +2,10 @@
 //!
 //! A router that knows a request's token ids can compute the hashes the engine will
 //! announce in `BlockStored` events, and look them up in its index before the engine has
-//! seen the request. Every function here was checked against real captures (see
-//! `tests/hash_fixtures.rs`).
+//! seen the request. The sha256 / sha256_cbor chains (with and without cache salt) and the
+//! SGLang chains (salted, LoRA-namespaced, EAGLE) reproduce every hash stored in the real
+//! vLLM 0.32 and SGLang 0.5.23 captures (`tests/hash_fixtures.rs`); the rest is checked
+//! against values computed with CPython, cbor2 and python-xxhash (`tests/hash_vectors.rs`).
 //!
 //! # Hash families
 //!
@@ -24,8 +26,13 @@
 //! SGLang seeds a salted request's chain with `SHA256(b"sglang-cache-salt-v1\0" + salt)`
 //! (0.5.18+) and namespaces LoRA requests' event hashes (0.5.22+): [`sglang`].
 //!
-//! Older releases are not modelled: vLLM before 0.10.2 (builtin `hash()` or 256-bit int
-//! hashes, which its events could not even carry), SGLang before 0.4.8 (whole-node hashes).
+//! Not modelled: vLLM before 0.10.2 (builtin `hash()` or 256-bit int hashes, which its
+//! events could not even carry) and its LoRA int-id keys before 0.11.1; vLLM 0.33's
+//! lookahead extra keys; hybrid groups whose block size is a multiple of the hash block
+//! size (0.24+ announce the hash of each group block's last sub-block: values `k-1`,
+//! `2k-1`, … of [`block_event_hashes`] computed with the hash block size); SGLang before
+//! 0.4.8 (whole-node hashes) and the `"dynamo"` event format's salt+LoRA namespacing (the
+//! primitives are in [`sglang`]).
 //!
 //! # Layout
 //! * [`value`]: the Python values that get hashed (`PyValue`, `PyInt`).

@@ -13,7 +13,11 @@
 //!   with the 64-byte hex digest instead reproduces 165 of the 200 hashes of the
 //!   `sglang-basic` capture, raw bytes all 200.
 //! * 0.5.22+: LoRA requests' event hashes are namespaced, [`namespaced_block_hash`] with
-//!   [`namespace_seed`]`(Some(extra_key), None)` (the `"default"` event format).
+//!   [`namespace_seed`]`(Some(extra_key), None)` (the `"default"` event format). The chain
+//!   itself is not namespaced: a salted LoRA request chains from the salt prior and
+//!   namespaces each page's value (seed part for the salt `00`), as `sglang-basic` shows.
+//!   The namespace key is the radix `extra_key` (the LoRA id), not the `lora_name` that
+//!   events carry, so LoRA hashes cannot be re-derived from the wire alone.
 
 use sha2::{Digest, Sha256};
 
