@@ -11,14 +11,18 @@
 //! - [`truth`]: the live blocks per (rank, medium, group) with copy counts.
 //! - [`publisher`]: one DP rank's PUB + replay ROUTER thread, and its wire-level faults.
 //! - [`engine`]: the mock engine: ranks, truth, load, faults, generated requests.
+//! - [`generate`]: the traffic loop (rate, clears, load gauges) over a request source.
+//! - [`capture`]: playback of recorded captures (`shared/fixtures/*.jsonl`).
 //! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).
 //! - [`metrics`]: the `/metrics` endpoint with the engines' load gauges.
 //! - [`client`]: SUB / DEALER helpers and free-port finding for loopback tests.
 
+pub mod capture;
 pub mod client;
 pub mod decode;
 pub mod engine;
+pub mod generate;
 pub mod hashing;
 pub mod metrics;
 pub mod publisher;

@@ -248,7 +248,9 @@ pub trait RequestSource: Send {
 }
 
 /// Seeded random prompts: a few shared "system prompts" (1–8 blocks) so prefixes are reused,
-/// each request taking a prefix of one and adding 0–3 blocks of its own.
+/// each request taking a prefix of one and adding 1–3 blocks of its own. Every request thus
+/// stores at least one new block, so (while the cache has room beyond the prefix) every
+/// request publishes exactly one batch.
 pub struct RandomSource {
     rng: Rng,
     block_size: u32,
@@ -277,7 +279,7 @@ impl RequestSource for RandomSource {
         let p = &self.prompts[self.rng.below(self.prompts.len() as u64) as usize];
         let take = 1 + self.rng.below(p.len() as u64) as usize;
         let mut blocks: RequestBlocks = p[..take].to_vec();
-        let own = self.rng.below(4);
+        let own = 1 + self.rng.below(3);
         for _ in 0..own {
             blocks.push(random_block(&mut self.rng, self.block_size));
         }

@@ -416,3 +416,17 @@ fn pause_blocks_traffic_sources_until_resume() {
     assert!(engine.wait_unpaused(Duration::from_millis(20)));
     assert!(wait_for(T, || (!engine.is_paused()).then_some(())).is_some());
 }
+
+#[test]
+fn every_random_request_publishes_exactly_one_batch() {
+    let engine = engine_with(vllm(), 1, |c| {
+        c.cache_blocks = 64;
+        c.block_size = 4;
+    });
+    let mut src = RandomSource::new(9, 4, 6);
+    for _ in 0..100 {
+        engine.serve_request(0, &src.next_request().unwrap(), false).unwrap();
+    }
+    engine.flush().unwrap();
+    assert_eq!(engine.stats(0).unwrap().next_seq, 100);
+}
