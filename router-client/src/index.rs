@@ -1,0 +1,556 @@
+//! The prefix index: which worker holds which KV blocks, in which tier, and how many leading
+//! blocks of a request each worker holds.
+//!
+//! # Semantics
+//!
+//! A key is `(worker, tier, block hash)`; each key has a copy count. [`PrefixIndex::store`]
+//! adds one copy per hash (the same hash stored twice is two copies), [`PrefixIndex::remove`]
+//! takes one (a hash with no copies is a counted no-op, never an underflow),
+//! [`PrefixIndex::clear`] drops a worker's blocks (all, or one tier),
+//! [`PrefixIndex::remove_worker`] drops a worker, and [`PrefixIndex::replace_worker`] swaps in
+//! a worker's complete new state ([`StagedSnapshot`]) atomically.
+//!
+//! [`PrefixIndex::lookup`] takes a request's chained block hashes `[h0, h1, ..]` and returns,
+//! for every worker holding `h0` in some tier, the number of leading blocks it holds in any
+//! tier (block `i` counts if some tier holds `h_i`, and all earlier blocks counted), and per
+//! tier the leading run within that tier alone. Workers holding none of `h0` (0 matched blocks)
+//! are omitted, as are tiers with a run of 0. After any sequence of operations every lookup
+//! equals [`reference::ReferenceIndex::lookup`] exactly.
+//!
+//! # Design
+//!
+//! **Storage.** The index is `S` shards (by hash) of an open-addressing multimap
+//! `hash -> holder` (`table.rs`). Every `(worker, tier, hash)` with copies > 0 is one 16-byte
+//! slot, `key = hash`, `val = worker:23 | generation tag:1 | tier:8 | copies:32`, plus one
+//! control byte (a 7-bit fingerprint, SwissTable style, read eight at a time). Nothing is
+//! allocated per block and there are no parent/child links: block hashes are chained (each
+//! encodes its prefix), so a lookup is one probe per request block. The table is rebuilt to
+//! ~60% load when it reaches 7/8, so an indexed block costs 17 bytes / load, about 20-40 bytes.
+//!
+//! **Lock-free lookups.** Lookups take no lock. All slot words are atomics; a writer publishes
+//! a new slot's key and value before its control byte (`Release`), never changes a published
+//! slot's key (a tombstoned slot is reused only for the same hash), and replaces a full table
+//! by building a new one and publishing it through an [`arc_swap::ArcSwap`]. A lookup
+//! therefore sees each slot before or after any single write, never a torn one.
+//!
+//! **Atomic snapshot replace.** Each worker has a one-bit generation tag; entries carry the tag
+//! they were written with, and a lookup only counts a worker's entries whose tag is the one it
+//! deems current. `replace_worker` (1) writes the new state with the other tag (invisible),
+//! (2) flips the worker's tag, stamping it with a global swap sequence number, (3) waits for a
+//! grace period (`grace.rs`: every lookup that started before the flip has finished), (4)
+//! deletes the old-tag entries. A lookup reads the swap sequence when it starts and treats a
+//! flip stamped later than that as not yet happened, so it sees the whole old state (kept
+//! until it finishes by step 3) or the whole new one (fully written before the flip), never a
+//! mix. `clear(worker, None)` and `remove_worker` are replaces with an empty state, so they are
+//! atomic too.
+//!
+//! **Writers** serialise per shard (a mutex per shard) and, for replaces, on one swap lock;
+//! a per-worker stripe lock keeps incremental writes of a worker out of its replace.
+//! Incremental operations are atomic per block, not per call: a lookup racing a
+//! `store(w, t, [a, b])`, a `remove` or a `clear(w, Some(tier))` may see part of it.
+//!
+//! **Trade-offs.**
+//! - Worker-level operations (replace, clear, remove_worker) scan every shard's table: O(total
+//!   slots), about a millisecond per million blocks, instead of keeping a per-worker block list
+//!   (which would double the memory per block). They are rare (resyncs, worker loss).
+//! - A replace waits for in-flight lookups (microseconds) while holding the swap lock; other
+//!   workers' incremental writes proceed unless they hash to the same worker stripe.
+//! - A hash held by `k` (worker, tier) pairs costs `k` slots and a lookup step scans all of
+//!   them: cost grows with the number of holders of a block, which is what the answer lists.
+//! - Tombstones linger until the shard's next rebuild (they only cost probe length).
+//! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
+
+mod grace;
+mod ids;
+pub mod reference;
+mod result;
+mod snapshot;
+mod table;
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
+
+use arc_swap::ArcSwap;
+
+pub use ids::{IndexError, TierId, TierInterner, WorkerId, WorkerInterner};
+pub use result::{LookupResult, TierRun, WorkerMatch};
+pub use snapshot::StagedSnapshot;
+
+use grace::Grace;
+use table::{Added, Probe, Table};
+
+/// Construction parameters of a [`PrefixIndex`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Number of shards (rounded up to a power of two). More shards let more writer threads
+    /// run at once and make each rebuild smaller.
+    pub shards: usize,
+    /// Blocks to size the tables for up front (they grow as needed).
+    pub initial_capacity: usize,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        Self { shards: 16, initial_capacity: 0 }
+    }
+}
+
+/// What a [`PrefixIndex::remove`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoveOutcome {
+    /// Copies taken.
+    pub removed: usize,
+    /// Hashes that had no copy to take (counted no-ops).
+    pub missing: usize,
+}
+
+/// Counters and sizes of a [`PrefixIndex`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct IndexStats {
+    /// `(worker, tier, hash)` keys with copies > 0.
+    pub blocks: usize,
+    /// Tombstoned slots awaiting a rebuild.
+    pub tombstones: usize,
+    /// Slots allocated over all shards.
+    pub slots: usize,
+    /// Removals of blocks that had no copy.
+    pub missing_removes: u64,
+    /// Stores that hit the `u32::MAX` copy limit.
+    pub saturated_stores: u64,
+    /// Completed [`PrefixIndex::replace_worker`] calls (including clears and removals).
+    pub replaces: u64,
+}
+
+#[repr(align(64))]
+struct Shard {
+    table: ArcSwap<Table>,
+    /// Serialises this shard's writers. Lookups never take it.
+    write: Mutex<()>,
+}
+
+/// Per-worker generation words: `swap_seq << 1 | tag`. Chunked (chunk `k` covers
+/// `1024 << k` workers) so that readers index it without a lock while writers add chunks.
+struct Generations {
+    chunks: [OnceLock<Box<[AtomicU64]>>; 14],
+}
+
+impl Generations {
+    fn locate(worker: WorkerId) -> (usize, usize) {
+        let x = worker.get() as u64 + 1024;
+        let k = (63 - x.leading_zeros() - 10) as usize;
+        (k, (x - (1024 << k)) as usize)
+    }
+
+    fn load(&self, worker: WorkerId) -> u64 {
+        let (k, i) = Self::locate(worker);
+        self.chunks[k].get().map_or(0, |c| c[i].load(Ordering::SeqCst))
+    }
+
+    fn store(&self, worker: WorkerId, word: u64) {
+        let (k, i) = Self::locate(worker);
+        let chunk = self.chunks[k].get_or_init(|| (0..1024 << k).map(|_| AtomicU64::new(0)).collect());
+        chunk[i].store(word, Ordering::SeqCst);
+    }
+
+    fn bytes(&self) -> usize {
+        std::mem::size_of::<Self>() + self.chunks.iter().filter_map(|c| c.get()).map(|c| c.len() * 8).sum::<usize>()
+    }
+}
+
+const WORKER_STRIPES: usize = 64;
+
+/// The concurrent prefix index. See the [module docs](self) for semantics and design.
+pub struct PrefixIndex {
+    shards: Box<[Shard]>,
+    shard_mask: usize,
+    gens: Generations,
+    /// Number of completed tag flips; stamped into the flipped worker's generation word.
+    swap_seq: AtomicU64,
+    grace: Grace,
+    /// Serialises replaces (tag flips and grace periods).
+    swap: Mutex<()>,
+    /// Read by incremental writers of a worker, written by that worker's replace.
+    worker_locks: Box<[RwLock<()>]>,
+    workers: WorkerInterner,
+    tiers: TierInterner,
+    missing_removes: AtomicU64,
+    saturated_stores: AtomicU64,
+    replaces: AtomicU64,
+}
+
+impl Default for PrefixIndex {
+    fn default() -> Self {
+        Self::new(IndexConfig::default())
+    }
+}
+
+impl std::fmt::Debug for PrefixIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PrefixIndex")
+            .field("shards", &self.shards.len())
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
+    }
+}
+
+struct Candidate {
+    worker: u32,
+    /// The tag this lookup counts for the worker.
+    tag: u64,
+    /// Tiers whose leading run is still going.
+    alive: u64,
+    /// Tiers holding the current block.
+    seen: u64,
+    /// Leading blocks in any tier, once the run ended.
+    blocks: u32,
+    done: bool,
+}
+
+#[derive(Default)]
+struct Scratch {
+    first: Vec<u64>,
+    candidates: Vec<Candidate>,
+    /// `(candidate, tier, run)` as runs end.
+    runs: Vec<(u32, u8, u32)>,
+}
+
+thread_local! {
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl PrefixIndex {
+    /// An empty index.
+    pub fn new(config: IndexConfig) -> Self {
+        let n = config.shards.max(1).next_power_of_two();
+        let per_shard = config.initial_capacity / n;
+        Self {
+            shards: (0..n)
+                .map(|_| Shard { table: ArcSwap::from_pointee(Table::for_entries(per_shard)), write: Mutex::new(()) })
+                .collect(),
+            shard_mask: n - 1,
+            gens: Generations { chunks: [const { OnceLock::new() }; 14] },
+            swap_seq: AtomicU64::new(0),
+            grace: Grace::default(),
+            swap: Mutex::new(()),
+            worker_locks: (0..WORKER_STRIPES).map(|_| RwLock::new(())).collect(),
+            workers: WorkerInterner::default(),
+            tiers: TierInterner::default(),
+            missing_removes: AtomicU64::new(0),
+            saturated_stores: AtomicU64::new(0),
+            replaces: AtomicU64::new(0),
+        }
+    }
+
+    /// The worker interner: `(relay_url, dp_rank) -> WorkerId`.
+    pub fn workers(&self) -> &WorkerInterner {
+        &self.workers
+    }
+
+    /// The tier interner: tier name -> `TierId`.
+    pub fn tiers(&self) -> &TierInterner {
+        &self.tiers
+    }
+
+    /// Shorthand for `self.workers().intern(relay_url, dp_rank)`.
+    pub fn worker(&self, relay_url: &str, dp_rank: u32) -> Result<WorkerId, IndexError> {
+        self.workers.intern(relay_url, dp_rank)
+    }
+
+    /// Shorthand for `self.tiers().intern(name)`.
+    pub fn tier(&self, name: &str) -> Result<TierId, IndexError> {
+        self.tiers.intern(name)
+    }
+
+    fn shard(&self, p: &Probe) -> &Shard {
+        &self.shards[p.shard(self.shard_mask)]
+    }
+
+    fn worker_lock(&self, worker: WorkerId) -> &RwLock<()> {
+        &self.worker_locks[worker.get() as usize % WORKER_STRIPES]
+    }
+
+    /// Adds copies under the shard's lock, rebuilding the shard's table when it is full.
+    fn add(&self, p: &Probe, holder: u64, copies: u32) {
+        let shard = self.shard(p);
+        let _w = lock(&shard.write);
+        let table = shard.table.load_full();
+        let added = match table.add(p, holder, copies) {
+            Added::Done { saturated } => saturated,
+            Added::Full => {
+                let bigger = table.rebuilt(1);
+                let Added::Done { saturated } = bigger.add(p, holder, copies) else {
+                    unreachable!("a table rebuilt with room for one more entry is not full");
+                };
+                shard.table.store(Arc::new(bigger));
+                saturated
+            }
+        };
+        if added {
+            self.saturated_stores.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Tombstones the entries matching `drop` in every shard, compacting shards left sparse.
+    fn remove_where(&self, drop: impl Fn(u64) -> bool) {
+        for shard in self.shards.iter() {
+            let _w = lock(&shard.write);
+            let table = shard.table.load_full();
+            if table.remove_where(&drop) > 0 && table.wants_compaction() {
+                shard.table.store(Arc::new(table.rebuilt(0)));
+            }
+        }
+    }
+
+    /// Adds one copy of each hash to `(worker, tier)`.
+    pub fn store(&self, worker: WorkerId, tier: TierId, hashes: &[u64]) {
+        let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
+        let tag = self.gens.load(worker) & 1;
+        let holder = table::holder(worker.get(), tag, tier.get());
+        for &h in hashes {
+            self.add(&Probe::new(h), holder, 1);
+        }
+    }
+
+    /// Takes one copy of each hash from `(worker, tier)`. A hash with no copy is a no-op,
+    /// counted in the outcome and in [`IndexStats::missing_removes`].
+    pub fn remove(&self, worker: WorkerId, tier: TierId, hashes: &[u64]) -> RemoveOutcome {
+        let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
+        let tag = self.gens.load(worker) & 1;
+        let holder = table::holder(worker.get(), tag, tier.get());
+        let mut out = RemoveOutcome::default();
+        for &h in hashes {
+            let p = Probe::new(h);
+            let shard = self.shard(&p);
+            let _s = lock(&shard.write);
+            if shard.table.load().sub(&p, holder) {
+                out.removed += 1;
+            } else {
+                out.missing += 1;
+            }
+        }
+        self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Drops all of a worker's blocks (`tier: None`, atomically, like an empty
+    /// [`replace_worker`](Self::replace_worker)) or those of one tier (block by block: a
+    /// concurrent lookup may see the tier partly cleared).
+    pub fn clear(&self, worker: WorkerId, tier: Option<TierId>) {
+        let Some(tier) = tier else {
+            self.replace_worker(worker, &StagedSnapshot::new());
+            return;
+        };
+        let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
+        let tag = self.gens.load(worker) & 1;
+        let holder = table::holder(worker.get(), tag, tier.get());
+        self.remove_where(|v| v & table::HOLDER == holder);
+    }
+
+    /// Drops every block of a worker, atomically. Its id stays interned.
+    pub fn remove_worker(&self, worker: WorkerId) {
+        self.replace_worker(worker, &StagedSnapshot::new());
+    }
+
+    /// Replaces a worker's whole state with `snapshot`, atomically: a concurrent lookup sees
+    /// the worker's whole old state or its whole new state, never a mix.
+    ///
+    /// Cost: O(snapshot) to stage, one grace period (waits for in-flight lookups), and a scan
+    /// of every shard to delete the old state.
+    pub fn replace_worker(&self, worker: WorkerId, snapshot: &StagedSnapshot) {
+        let _swap = lock(&self.swap);
+        let _w = self.worker_lock(worker).write().unwrap_or_else(PoisonError::into_inner);
+        let old_tag = self.gens.load(worker) & 1;
+        let new_tag = old_tag ^ 1;
+        // 1. Stage under the new tag: lookups ignore it until the flip.
+        for &(tier, h, copies) in snapshot.entries() {
+            if copies > 0 {
+                let holder = table::holder(worker.get(), new_tag, tier.get());
+                self.add(&Probe::new(h), holder, copies);
+            }
+        }
+        // 2. Flip. Lookups that read `swap_seq` before this store keep the old tag.
+        let seq = self.swap_seq.load(Ordering::SeqCst) + 1;
+        self.gens.store(worker, (seq << 1) | new_tag);
+        self.swap_seq.store(seq, Ordering::SeqCst);
+        // 3. Wait for lookups that may still count the old tag.
+        self.grace.synchronize();
+        // 4. Delete the old state.
+        let old = ((worker.get() as u64) << 1) | old_tag;
+        self.remove_where(|v| v >> 40 == old);
+        self.replaces.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// For every worker holding `hashes[0]`: leading blocks held in any tier, and per tier.
+    /// Never blocks on writers.
+    pub fn lookup(&self, hashes: &[u64]) -> LookupResult {
+        let mut out = LookupResult::default();
+        self.lookup_into(hashes, &mut out);
+        out
+    }
+
+    /// [`lookup`](Self::lookup) into a reused result.
+    pub fn lookup_into(&self, hashes: &[u64], out: &mut LookupResult) {
+        out.clear();
+        let Some(&h0) = hashes.first() else {
+            return;
+        };
+        let _reading = self.grace.read();
+        let seq0 = self.swap_seq.load(Ordering::SeqCst);
+        SCRATCH.with(|s| {
+            let s = &mut *s.borrow_mut();
+            self.first_block(h0, seq0, s);
+            if !s.candidates.is_empty() {
+                self.follow(hashes, s);
+                Self::emit(hashes.len() as u32, s, out);
+            }
+        });
+    }
+
+    /// The tag a lookup that started at `seq0` counts for `worker`.
+    fn visible_tag(&self, worker: u32, seq0: u64) -> u64 {
+        let Some(w) = WorkerId::new(worker) else {
+            return 0;
+        };
+        let word = self.gens.load(w);
+        // A flip stamped after the lookup started has not happened for it; the old state
+        // stays intact until the lookup ends (grace period).
+        if word >> 1 > seq0 {
+            (word & 1) ^ 1
+        } else {
+            word & 1
+        }
+    }
+
+    fn for_each_holder(&self, h: u64, f: impl FnMut(u64)) {
+        let p = Probe::new(h);
+        self.shard(&p).table.load().for_each(&p, f);
+    }
+
+    /// Candidates: workers holding `h0` under their visible tag, sorted by worker.
+    fn first_block(&self, h0: u64, seq0: u64, s: &mut Scratch) {
+        s.first.clear();
+        s.candidates.clear();
+        s.runs.clear();
+        let first = &mut s.first;
+        self.for_each_holder(h0, |v| first.push(v));
+        first.sort_unstable();
+        let mut i = 0;
+        while i < first.len() {
+            let worker = table::worker_of(first[i]);
+            let tag = self.visible_tag(worker, seq0);
+            let mut tiers = 0u64;
+            while i < first.len() && table::worker_of(first[i]) == worker {
+                if table::tag_of(first[i]) == tag {
+                    tiers |= 1 << (table::tier_of(first[i]) & 63);
+                }
+                i += 1;
+            }
+            if tiers != 0 {
+                s.candidates.push(Candidate { worker, tag, alive: tiers, seen: 0, blocks: 0, done: false });
+            }
+        }
+    }
+
+    /// Walks blocks 1.. until no candidate's run goes on.
+    fn follow(&self, hashes: &[u64], s: &mut Scratch) {
+        let Scratch { candidates, runs, .. } = s;
+        for (i, &h) in hashes.iter().enumerate().skip(1) {
+            for c in candidates.iter_mut() {
+                c.seen = 0;
+            }
+            self.for_each_holder(h, |v| {
+                let worker = table::worker_of(v);
+                let found = if candidates.len() <= 8 {
+                    candidates.iter().position(|c| c.worker == worker)
+                } else {
+                    candidates.binary_search_by_key(&worker, |c| c.worker).ok()
+                };
+                if let Some(c) = found.map(|k| &mut candidates[k]) {
+                    if !c.done && table::tag_of(v) == c.tag {
+                        c.seen |= 1 << (table::tier_of(v) & 63);
+                    }
+                }
+            });
+            let mut going = false;
+            for (k, c) in candidates.iter_mut().enumerate() {
+                if c.done {
+                    continue;
+                }
+                let mut ended = c.alive & !c.seen;
+                while ended != 0 {
+                    runs.push((k as u32, ended.trailing_zeros() as u8, i as u32));
+                    ended &= ended - 1;
+                }
+                c.alive &= c.seen;
+                if c.seen == 0 {
+                    c.done = true;
+                    c.blocks = i as u32;
+                } else {
+                    going = true;
+                }
+            }
+            if !going {
+                return;
+            }
+        }
+    }
+
+    fn emit(len: u32, s: &mut Scratch, out: &mut LookupResult) {
+        for (k, c) in s.candidates.iter_mut().enumerate() {
+            if !c.done {
+                c.blocks = len;
+                let mut alive = c.alive;
+                while alive != 0 {
+                    s.runs.push((k as u32, alive.trailing_zeros() as u8, len));
+                    alive &= alive - 1;
+                }
+            }
+        }
+        s.runs.sort_unstable();
+        let mut r = 0;
+        for (k, c) in s.candidates.iter().enumerate() {
+            let start = r;
+            while r < s.runs.len() && s.runs[r].0 == k as u32 {
+                r += 1;
+            }
+            let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
+            out.push(
+                worker,
+                c.blocks,
+                s.runs[start..r].iter().map(|&(_, tier, blocks)| TierRun {
+                    tier: TierId::new(tier).expect("packed tier ids are valid"),
+                    blocks,
+                }),
+            );
+        }
+    }
+
+    /// Counters and sizes.
+    pub fn stats(&self) -> IndexStats {
+        let mut stats = IndexStats {
+            missing_removes: self.missing_removes.load(Ordering::Relaxed),
+            saturated_stores: self.saturated_stores.load(Ordering::Relaxed),
+            replaces: self.replaces.load(Ordering::Relaxed),
+            ..IndexStats::default()
+        };
+        for shard in self.shards.iter() {
+            let t = shard.table.load();
+            stats.blocks += t.live();
+            stats.tombstones += t.tombs();
+            stats.slots += t.capacity();
+        }
+        stats
+    }
+
+    /// An estimate of the heap and inline bytes the index holds (tables, generation words,
+    /// locks), not counting interned names. Transient copies during a rebuild are not counted.
+    pub fn memory_bytes(&self) -> usize {
+        let shards: usize = self.shards.iter().map(|s| std::mem::size_of::<Shard>() + s.table.load().bytes()).sum();
+        std::mem::size_of::<Self>() + shards + self.gens.bytes() + WORKER_STRIPES * std::mem::size_of::<RwLock<()>>()
+    }
+}

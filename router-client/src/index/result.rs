@@ -1,0 +1,117 @@
+//! What a lookup returns, in one canonical form shared by the index and the reference.
+
+use std::fmt;
+
+use super::ids::{TierId, WorkerId};
+
+/// The leading run of a request's blocks that one worker holds within one tier alone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct TierRun {
+    /// The tier.
+    pub tier: TierId,
+    /// Leading blocks held in this tier (always > 0 in a result).
+    pub blocks: u32,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Entry {
+    worker: WorkerId,
+    blocks: u32,
+    runs_end: u32,
+}
+
+/// One worker's match: leading blocks held in any tier, and per tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WorkerMatch<'a> {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Leading blocks held in at least one tier each (always > 0 in a result).
+    pub blocks: u32,
+    /// Per-tier leading runs, sorted by tier; tiers with a run of 0 are left out.
+    pub tiers: &'a [TierRun],
+}
+
+impl WorkerMatch<'_> {
+    /// The leading run within `tier` (0 if absent).
+    pub fn tier(&self, tier: TierId) -> u32 {
+        self.tiers.iter().find(|r| r.tier == tier).map_or(0, |r| r.blocks)
+    }
+}
+
+/// The answer to a lookup: every worker holding the request's first block, sorted by worker
+/// id. Workers with 0 matched blocks (those not holding the first block in any tier) are
+/// omitted, and so are tiers with a run of 0. Two results are equal exactly when they say the
+/// same thing.
+///
+/// Stored flat (two vectors) so a result can be reused across lookups without allocating.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct LookupResult {
+    entries: Vec<Entry>,
+    runs: Vec<TierRun>,
+}
+
+impl LookupResult {
+    /// Empties the result, keeping its buffers.
+    pub fn clear(&mut self) {
+        self.entries.clear();
+        self.runs.clear();
+    }
+
+    /// Number of workers with at least one matched block.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// True when no worker holds the first block.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The matches, sorted by worker id.
+    pub fn iter(&self) -> impl Iterator<Item = WorkerMatch<'_>> + '_ {
+        let mut start = 0usize;
+        self.entries.iter().map(move |e| {
+            let end = e.runs_end as usize;
+            let m = WorkerMatch { worker: e.worker, blocks: e.blocks, tiers: &self.runs[start..end] };
+            start = end;
+            m
+        })
+    }
+
+    /// The match of one worker, if it holds the first block.
+    pub fn get(&self, worker: WorkerId) -> Option<WorkerMatch<'_>> {
+        self.iter().find(|m| m.worker == worker)
+    }
+
+    /// Leading blocks of `worker` in any tier (0 if absent).
+    pub fn blocks(&self, worker: WorkerId) -> u32 {
+        self.get(worker).map_or(0, |m| m.blocks)
+    }
+
+    /// Appends a worker. Callers push workers in increasing id order, with runs sorted by tier
+    /// and all > 0, and `blocks > 0`.
+    pub(crate) fn push(&mut self, worker: WorkerId, blocks: u32, runs: impl Iterator<Item = TierRun>) {
+        debug_assert!(blocks > 0);
+        debug_assert!(self.entries.last().is_none_or(|e| e.worker < worker));
+        let start = self.runs.len();
+        self.runs.extend(runs);
+        debug_assert!(self.runs[start..].windows(2).all(|w| w[0].tier < w[1].tier));
+        debug_assert!(self.runs[start..].iter().all(|r| r.blocks > 0 && r.blocks <= blocks));
+        self.entries.push(Entry { worker, blocks, runs_end: self.runs.len() as u32 });
+    }
+}
+
+impl fmt::Debug for LookupResult {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut list = f.debug_list();
+        for m in self.iter() {
+            list.entry(&format_args!(
+                "w{} blocks={} tiers={:?}",
+                m.worker.get(),
+                m.blocks,
+                m.tiers.iter().map(|r| (r.tier.get(), r.blocks)).collect::<Vec<_>>()
+            ));
+        }
+        list.finish()
+    }
+}

@@ -1,0 +1,117 @@
+//! Lookups racing snapshot swaps see exactly the old or the new state of the swapped worker.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use kv_router_client::index::reference::ReferenceIndex;
+use kv_router_client::index::{IndexConfig, PrefixIndex, StagedSnapshot, TierId};
+
+use crate::util::{seq, w};
+
+#[test]
+fn lookups_during_snapshot_swaps_see_one_whole_state() {
+    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 4, initial_capacity: 0 }));
+    let requests: Vec<Vec<u64>> = (0..8).map(|r| seq(r, 48)).collect();
+
+    // Two states of worker 0 that differ on every request: different lengths and tiers.
+    let mut a = StagedSnapshot::new();
+    let mut b = StagedSnapshot::new();
+    for (i, r) in requests.iter().enumerate() {
+        a.extend_blocks(TierId::DEVICE, &r[..8 + i * 4]);
+        a.extend_blocks(TierId::HOST, &r[..4]);
+        b.extend_blocks(TierId::DISK, &r[..40 - i * 3]);
+        b.extend_blocks(TierId::DEVICE, &r[..2 + i]);
+        b.push(TierId::DEVICE, r[0], 3);
+    }
+    // Bulk for worker 0 beyond the requests, so staging and deleting take a while and
+    // force rebuilds.
+    let bulk = seq(1000, 20_000);
+    a.extend_blocks(TierId::DEVICE, &bulk[..10_000]);
+    b.extend_blocks(TierId::DEVICE, &bulk[5_000..]);
+
+    // Static workers 1 and 2 around it.
+    let mut base = ReferenceIndex::new();
+    for r in &requests {
+        index.store(w(1), TierId::DEVICE, &r[..20]);
+        base.store(w(1), TierId::DEVICE, &r[..20]);
+        index.store(w(2), TierId::HOST, &r[..10]);
+        base.store(w(2), TierId::HOST, &r[..10]);
+    }
+    let answers = |snap: &StagedSnapshot| {
+        let mut r = base.clone();
+        r.replace_worker(w(0), snap);
+        requests.iter().map(|q| r.lookup(q)).collect::<Vec<_>>()
+    };
+    let (want_a, want_b) = (answers(&a), answers(&b));
+    for (x, y) in want_a.iter().zip(&want_b) {
+        assert_ne!(x, y, "the two states must be distinguishable");
+    }
+    index.replace_worker(w(0), &a);
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let seen_b = Arc::new(AtomicUsize::new(0));
+    let readers: Vec<_> = (0..3)
+        .map(|k| {
+            let (index, stop, seen_b) = (index.clone(), stop.clone(), seen_b.clone());
+            let (requests, want_a, want_b) = (requests.clone(), want_a.clone(), want_b.clone());
+            std::thread::spawn(move || {
+                let mut n = 0usize;
+                while !stop.load(Ordering::Relaxed) {
+                    let q = (n + k) % requests.len();
+                    let got = index.lookup(&requests[q]);
+                    if got == want_b[q] {
+                        seen_b.fetch_add(1, Ordering::Relaxed);
+                    } else {
+                        assert_eq!(got, want_a[q], "request {q}: neither state A nor B");
+                    }
+                    n += 1;
+                }
+                n
+            })
+        })
+        .collect();
+
+    let swaps = if cfg!(debug_assertions) { 40 } else { 400 };
+    for i in 0..swaps {
+        index.replace_worker(w(0), if i % 2 == 0 { &b } else { &a });
+    }
+    stop.store(true, Ordering::Relaxed);
+    let lookups: usize = readers.into_iter().map(|r| r.join().unwrap()).sum();
+    eprintln!("{swaps} swaps, {lookups} concurrent lookups ({} saw state B)", seen_b.load(Ordering::Relaxed));
+    assert!(lookups > 0);
+    // Quiescent: the final state is A, exactly, and nothing of B is left behind.
+    for (q, r) in requests.iter().enumerate() {
+        assert_eq!(index.lookup(r), want_a[q]);
+    }
+    let mut full = base.clone();
+    full.replace_worker(w(0), &a);
+    assert_eq!(index.stats().blocks, full.len());
+}
+
+#[test]
+fn lookups_during_incremental_writes_of_other_workers_stay_exact_for_a_static_one() {
+    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
+    let request = seq(77, 32);
+    index.store(w(9), TierId::HOST, &request[..17]);
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (index, stop) = (index.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                // Churn through the shared shards: grows, tombstones and rebuilds tables.
+                let s = seq(i % 50, 64);
+                index.store(w(1 + (i % 3) as u32), TierId::DEVICE, &s);
+                index.remove(w(1 + ((i + 1) % 3) as u32), TierId::DEVICE, &s);
+                i += 1;
+            }
+        })
+    };
+    for _ in 0..20_000 {
+        let got = index.lookup(&request);
+        let m = got.get(w(9)).expect("worker 9 holds block 0");
+        assert_eq!((m.blocks, m.tier(TierId::HOST)), (17, 17));
+    }
+    stop.store(true, Ordering::Relaxed);
+    writer.join().unwrap();
+}

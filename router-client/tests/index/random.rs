@@ -1,0 +1,201 @@
+//! Random interleavings of every operation, checked against the reference after each one.
+//!
+//! The seeded run's total operation count is `KV_INDEX_PROPTEST_OPS` (default: 240,000 in
+//! debug builds, 4,000,000 in release), split over seeds and index shapes; every operation is
+//! followed by lookups that must equal the reference exactly.
+
+use kv_router_client::index::{IndexConfig, StagedSnapshot, TierId, WorkerId};
+use proptest::prelude::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use crate::util::{chain, t, w, Pair};
+
+const DEPTH: usize = 9;
+const ROOTS: u64 = 5;
+
+/// A request drawn from a small tree of chained hashes, so requests share prefixes.
+fn request(rng: &mut StdRng) -> Vec<u64> {
+    let len = rng.random_range(1..=DEPTH);
+    let mut h = rng.random_range(0..ROOTS);
+    (0..len)
+        .map(|_| {
+            h = chain(h, rng.random_range(0..2));
+            h
+        })
+        .collect()
+}
+
+/// A run of hashes taken from a request: its prefix mostly, sometimes a middle slice.
+fn blocks(rng: &mut StdRng) -> Vec<u64> {
+    let r = request(rng);
+    if rng.random_bool(0.7) {
+        r
+    } else {
+        let a = rng.random_range(0..r.len());
+        let b = rng.random_range(a..r.len());
+        r[a..=b].to_vec()
+    }
+}
+
+const WORKERS: [u32; 6] = [0, 1, 2, 3, 5000, 70_000];
+
+fn worker(rng: &mut StdRng) -> WorkerId {
+    w(WORKERS[rng.random_range(0..WORKERS.len())])
+}
+
+fn tier(rng: &mut StdRng) -> TierId {
+    // Four fixed tiers, two "other" tiers, and the last possible id.
+    const TIERS: [u8; 7] = [0, 1, 2, 3, 4, 5, 63];
+    t(TIERS[rng.random_range(0..TIERS.len())])
+}
+
+fn snapshot(rng: &mut StdRng) -> StagedSnapshot {
+    let mut snap = StagedSnapshot::new();
+    for _ in 0..rng.random_range(0..6) {
+        let tier = tier(rng);
+        for h in blocks(rng) {
+            snap.push(tier, h, rng.random_range(0..3));
+        }
+    }
+    snap
+}
+
+fn total_ops() -> usize {
+    let default = if cfg!(debug_assertions) { 240_000 } else { 4_000_000 };
+    std::env::var("KV_INDEX_PROPTEST_OPS").ok().and_then(|v| v.parse().ok()).unwrap_or(default)
+}
+
+/// Runs `ops` random operations from `seed`; returns how many lookups were compared.
+fn run(seed: u64, ops: usize, config: IndexConfig) -> usize {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut p = Pair::new(config);
+    let mut recent: Vec<Vec<u64>> = Vec::new();
+    let mut lookups = 0;
+    for op in 0..ops {
+        let roll = rng.random_range(0..100);
+        let (wk, tr) = (worker(&mut rng), tier(&mut rng));
+        match roll {
+            0..=34 => {
+                let b = blocks(&mut rng);
+                p.store(wk, tr, &b);
+                recent.push(b);
+            }
+            35..=44 => {
+                // Duplicate store: the same blocks again, often in the same place.
+                if let Some(b) = recent.last().cloned() {
+                    p.store(wk, tr, &b);
+                }
+            }
+            45..=76 => {
+                let b = blocks(&mut rng);
+                p.remove(wk, tr, &b);
+            }
+            77..=81 => {
+                // Removal of hashes nobody ever stored.
+                let missing: Vec<u64> = (0..3).map(|_| rng.random::<u64>() | 1 << 63).collect();
+                let out = p.remove(wk, tr, &missing);
+                assert_eq!(out.missing, 3);
+            }
+            82..=85 => p.clear(wk, Some(tr)),
+            86..=87 => p.clear(wk, None),
+            88..=96 => {
+                let snap = snapshot(&mut rng);
+                p.replace(wk, &snap);
+            }
+            _ => p.remove_worker(wk),
+        }
+        if recent.len() > 64 {
+            recent.drain(..32);
+        }
+        // Lookups: a fresh request, and one just stored (likely to match deep).
+        p.lookup(&request(&mut rng));
+        if let Some(b) = recent.last() {
+            p.lookup(b);
+        }
+        lookups += 2;
+        if op % 1024 == 0 {
+            p.check_counts();
+        }
+    }
+    p.check_counts();
+    lookups
+}
+
+fn run_seeds(seeds: std::ops::Range<u64>, share: usize) {
+    let configs = [
+        IndexConfig { shards: 1, initial_capacity: 0 },
+        IndexConfig { shards: 4, initial_capacity: 0 },
+        IndexConfig::default(),
+        IndexConfig { shards: 2, initial_capacity: 10_000 },
+    ];
+    let n = seeds.end - seeds.start;
+    let per_seed = share / n as usize;
+    let mut lookups = 0;
+    for seed in seeds {
+        lookups += run(seed, per_seed, configs[seed as usize % configs.len()]);
+    }
+    eprintln!("random ops: {} operations, {lookups} lookups compared", per_seed * n as usize);
+}
+
+#[test]
+fn random_operations_match_reference_seeds_0_to_7() {
+    run_seeds(0..8, total_ops() / 2);
+}
+
+#[test]
+fn random_operations_match_reference_seeds_8_to_15() {
+    run_seeds(8..16, total_ops() / 2);
+}
+
+/// Small shrinkable cases: proptest finds a minimal failing sequence if the seeded run fails.
+#[derive(Clone, Debug)]
+enum Op {
+    Store(u32, u8, Vec<u64>),
+    Remove(u32, u8, Vec<u64>),
+    Clear(u32, Option<u8>),
+    Replace(u32, Vec<(u8, u64, u32)>),
+    RemoveWorker(u32),
+}
+
+fn hashes() -> impl Strategy<Value = Vec<u64>> {
+    prop::collection::vec(0u64..12, 1..6)
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        4 => (0u32..3, 0u8..3, hashes()).prop_map(|(w, t, h)| Op::Store(w, t, h)),
+        3 => (0u32..3, 0u8..3, hashes()).prop_map(|(w, t, h)| Op::Remove(w, t, h)),
+        1 => (0u32..3, prop::option::of(0u8..3)).prop_map(|(w, t)| Op::Clear(w, t)),
+        1 => (0u32..3, prop::collection::vec((0u8..3, 0u64..12, 0u32..3), 0..8))
+            .prop_map(|(w, e)| Op::Replace(w, e)),
+        1 => (0u32..3).prop_map(Op::RemoveWorker),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+    #[test]
+    fn small_sequences_match_reference(ops in prop::collection::vec(op(), 1..40)) {
+        let mut p = Pair::new(IndexConfig { shards: 2, initial_capacity: 0 });
+        for op in ops {
+            match op {
+                Op::Store(wk, tr, h) => p.store(w(wk), t(tr), &h),
+                Op::Remove(wk, tr, h) => { p.remove(w(wk), t(tr), &h); }
+                Op::Clear(wk, tr) => p.clear(w(wk), tr.map(t)),
+                Op::Replace(wk, e) => {
+                    let mut snap = StagedSnapshot::new();
+                    for (tr, h, c) in e { snap.push(t(tr), h, c); }
+                    p.replace(w(wk), &snap);
+                }
+                Op::RemoveWorker(wk) => p.remove_worker(w(wk)),
+            }
+            for start in 0..12u64 {
+                let req: Vec<u64> = (start..12).collect();
+                p.lookup(&req);
+                p.lookup(&[start, (start * 7) % 12]);
+            }
+            p.check_counts();
+        }
+    }
+}

@@ -1,0 +1,221 @@
+//! One test per rule, with exact expected values, checked against the reference as well.
+
+use kv_router_client::index::{IndexConfig, LookupResult, StagedSnapshot, TierId, TierRun};
+
+use crate::util::{seq, t, w, Pair};
+
+fn pair() -> Pair {
+    Pair::new(IndexConfig::default())
+}
+
+/// `(worker, blocks, [(tier, run)])`.
+type Flat = (u32, u32, Vec<(u8, u32)>);
+
+/// One [`Flat`] for each worker of a result.
+fn flat(r: &LookupResult) -> Vec<Flat> {
+    r.iter()
+        .map(|m| {
+            let tiers = m.tiers.iter().map(|r| (r.tier.get(), r.blocks)).collect();
+            (m.worker.get(), m.blocks, tiers)
+        })
+        .collect()
+}
+
+#[test]
+fn store_twice_remove_once_is_still_held() {
+    let mut p = pair();
+    let s = seq(1, 3);
+    p.store(w(0), TierId::DEVICE, &s);
+    p.store(w(0), TierId::DEVICE, &s[..1]);
+    let out = p.remove(w(0), TierId::DEVICE, &s[..1]);
+    assert_eq!((out.removed, out.missing), (1, 0));
+    assert_eq!(flat(&p.lookup(&s)), vec![(0, 3, vec![(0, 3)])]);
+    // The second removal takes the last copy: the run stops before block 0.
+    p.remove(w(0), TierId::DEVICE, &s[..1]);
+    assert!(p.lookup(&s).is_empty());
+    assert_eq!(p.index.stats().blocks, 2);
+    p.check_counts();
+}
+
+#[test]
+fn remove_of_absent_hash_is_a_counted_no_op() {
+    let mut p = pair();
+    let s = seq(2, 2);
+    p.store(w(1), TierId::HOST, &s[..1]);
+    let out = p.remove(w(1), TierId::HOST, &[s[1], s[1], s[0], s[0]]);
+    assert_eq!((out.removed, out.missing), (1, 3));
+    // Absent in another tier or for another worker is missing too.
+    p.store(w(1), TierId::HOST, &s[..1]);
+    let out = p.remove(w(2), TierId::HOST, &s[..1]);
+    assert_eq!((out.removed, out.missing), (0, 1));
+    let out = p.remove(w(1), TierId::DISK, &s[..1]);
+    assert_eq!((out.removed, out.missing), (0, 1));
+    assert_eq!(p.index.stats().missing_removes, 5);
+    // Nothing underflowed: one copy is still there, and one removal takes it.
+    assert_eq!(flat(&p.lookup(&s)), vec![(1, 1, vec![(1, 1)])]);
+    let out = p.remove(w(1), TierId::HOST, &s[..1]);
+    assert_eq!((out.removed, out.missing), (1, 0));
+    assert!(p.lookup(&s).is_empty());
+    p.check_counts();
+}
+
+#[test]
+fn clear_tier_leaves_other_tiers_and_workers() {
+    let mut p = pair();
+    let s = seq(3, 4);
+    p.store(w(0), TierId::DEVICE, &s);
+    p.store(w(0), TierId::HOST, &s[..2]);
+    p.store(w(1), TierId::DEVICE, &s[..3]);
+    p.clear(w(0), Some(TierId::DEVICE));
+    assert_eq!(flat(&p.lookup(&s)), vec![(0, 2, vec![(1, 2)]), (1, 3, vec![(0, 3)])]);
+    p.clear(w(0), None);
+    assert_eq!(flat(&p.lookup(&s)), vec![(1, 3, vec![(0, 3)])]);
+    p.check_counts();
+}
+
+#[test]
+fn leading_run_stops_at_the_first_gap() {
+    let mut p = pair();
+    let s = seq(4, 6);
+    // Holds blocks 0, 1, 3, 4, 5: the run is 2 even though later blocks are held.
+    p.store(w(3), TierId::DEVICE, &[s[0], s[1], s[3], s[4], s[5]]);
+    assert_eq!(flat(&p.lookup(&s)), vec![(3, 2, vec![(0, 2)])]);
+    // A worker without block 0 is omitted even if it holds the rest.
+    p.store(w(4), TierId::DEVICE, &s[1..]);
+    assert_eq!(flat(&p.lookup(&s)), vec![(3, 2, vec![(0, 2)])]);
+    // Lookups of a prefix, and of nothing.
+    assert_eq!(flat(&p.lookup(&s[..1])), vec![(3, 1, vec![(0, 1)])]);
+    assert!(p.lookup(&[]).is_empty());
+    p.check_counts();
+}
+
+#[test]
+fn any_tier_run_spans_tiers_while_tier_runs_are_separate() {
+    let mut p = pair();
+    let s = seq(5, 6);
+    let other = p.index.tier("nvme-pool").unwrap();
+    assert_eq!(other.get(), 4);
+    // device: 0 1 2 . . . ; host: . . 2 3 . . ; other: 0 . . . 4 .
+    p.store(w(7), TierId::DEVICE, &s[..3]);
+    p.store(w(7), TierId::HOST, &s[2..4]);
+    p.store(w(7), other, &[s[0], s[4]]);
+    let r = p.lookup(&s);
+    // Any tier: blocks 0..=4 each held somewhere; block 5 nowhere.
+    assert_eq!(flat(&r), vec![(7, 5, vec![(0, 3), (4, 1)])]);
+    let m = r.get(w(7)).unwrap();
+    assert_eq!(m.tier(TierId::DEVICE), 3);
+    assert_eq!(m.tier(TierId::HOST), 0, "host's run does not start at block 0");
+    assert_eq!(m.tier(other), 1);
+    assert_eq!(m.tiers, &[TierRun { tier: TierId::DEVICE, blocks: 3 }, TierRun { tier: other, blocks: 1 }]);
+    p.check_counts();
+}
+
+#[test]
+fn workers_are_sorted_and_each_gets_its_own_runs() {
+    let mut p = pair();
+    let s = seq(6, 4);
+    for raw in [9, 2, 5] {
+        p.store(w(raw), TierId::DISK, &s[..raw as usize % 4 + 1]);
+    }
+    assert_eq!(flat(&p.lookup(&s)), vec![(2, 3, vec![(2, 3)]), (5, 2, vec![(2, 2)]), (9, 2, vec![(2, 2)])]);
+}
+
+#[test]
+fn replace_worker_swaps_the_whole_state_and_sums_duplicates() {
+    let mut p = pair();
+    let s = seq(7, 5);
+    p.store(w(0), TierId::DEVICE, &s);
+    p.store(w(1), TierId::DEVICE, &s[..2]);
+    let mut snap = StagedSnapshot::new();
+    snap.extend_blocks(TierId::HOST, &s[..3]);
+    snap.push(TierId::HOST, s[0], 2);
+    snap.push(TierId::EXTERNAL, s[0], 0);
+    p.replace(w(0), &snap);
+    assert_eq!(flat(&p.lookup(&s)), vec![(0, 3, vec![(1, 3)]), (1, 2, vec![(0, 2)])]);
+    assert_eq!(p.reference.copies(w(0), TierId::HOST, s[0]), 3);
+    // Three copies of block 0: two removals leave it held.
+    p.remove(w(0), TierId::HOST, &[s[0], s[0]]);
+    assert_eq!(p.lookup(&s).blocks(w(0)), 3);
+    // Stores after a replace land in the new state.
+    p.store(w(0), TierId::HOST, &s[3..]);
+    assert_eq!(p.lookup(&s).blocks(w(0)), 5);
+    p.remove_worker(w(0));
+    assert_eq!(flat(&p.lookup(&s)), vec![(1, 2, vec![(0, 2)])]);
+    assert_eq!(p.index.stats().replaces, 2);
+    p.check_counts();
+}
+
+#[test]
+fn hash_values_zero_and_max_are_ordinary_keys() {
+    let mut p = pair();
+    let s = [0, u64::MAX, 1];
+    p.store(w(0), TierId::DEVICE, &s);
+    p.store(w(0), t(5), &s[..1]);
+    assert_eq!(flat(&p.lookup(&s)), vec![(0, 3, vec![(0, 3), (5, 1)])]);
+    p.check_counts();
+}
+
+#[test]
+fn many_holders_of_one_hash_and_growth_keep_answers_exact() {
+    // One shard with no initial room: every store path goes through rebuilds.
+    let mut p = Pair::new(IndexConfig { shards: 1, initial_capacity: 0 });
+    let s = seq(8, 40);
+    for raw in 0..300 {
+        let tier = t((raw % 5) as u8);
+        p.store(w(raw), tier, &s[..(raw as usize % 40) + 1]);
+    }
+    let r = p.lookup(&s);
+    assert_eq!(r.len(), 300);
+    assert_eq!(r.blocks(w(299)), 299 % 40 + 1);
+    for raw in (0..300).step_by(3) {
+        p.remove_worker(w(raw));
+    }
+    assert_eq!(p.lookup(&s).len(), 200);
+    p.check_counts();
+    assert!(p.index.stats().tombstones <= p.index.stats().slots);
+}
+
+#[test]
+fn interners_hand_out_dense_stable_ids() {
+    let p = pair();
+    let a = p.index.worker("http://relay-a:50051", 0).unwrap();
+    let b = p.index.worker("http://relay-a:50051", 1).unwrap();
+    let a2 = p.index.worker("http://relay-a:50051", 0).unwrap();
+    assert_eq!((a.get(), b.get(), a2), (0, 1, a));
+    assert_eq!(&*p.index.workers().key(b).unwrap().0, "http://relay-a:50051");
+    assert_eq!(p.index.tier("host").unwrap(), TierId::HOST);
+    assert_eq!(p.index.tier("cpu_pinned_x").unwrap().get(), 4);
+    assert_eq!(p.index.tier("cpu_pinned_x").unwrap().get(), 4);
+    assert_eq!(&*p.index.tiers().name(TierId::DISK).unwrap(), "disk");
+    for i in 5..64 {
+        assert_eq!(p.index.tier(&format!("tier{i}")).unwrap().get() as usize, i);
+    }
+    assert!(p.index.tier("one-too-many").is_err());
+}
+
+#[test]
+fn copies_saturate_instead_of_wrapping() {
+    let mut p = pair();
+    let mut snap = StagedSnapshot::new();
+    snap.push(TierId::DEVICE, 42, u32::MAX);
+    p.replace(w(0), &snap);
+    p.store(w(0), TierId::DEVICE, &[42]);
+    assert_eq!(p.index.stats().saturated_stores, 1);
+    assert_eq!(p.reference.copies(w(0), TierId::DEVICE, 42), u32::MAX);
+    p.remove(w(0), TierId::DEVICE, &[42]);
+    assert_eq!(p.lookup(&[42]).blocks(w(0)), 1);
+}
+
+#[test]
+fn memory_per_block_is_compact_for_a_million_blocks() {
+    let index = kv_router_client::index::PrefixIndex::default();
+    let s = seq(9, 1_000_000);
+    for chunk in s.chunks(64) {
+        index.store(w(1), TierId::DEVICE, chunk);
+    }
+    let stats = index.stats();
+    assert_eq!(stats.blocks, 1_000_000);
+    let per_block = index.memory_bytes() as f64 / 1e6;
+    eprintln!("memory_bytes per block for 1M blocks: {per_block:.1} ({stats:?})");
+    assert!(per_block < 40.0, "{per_block} bytes per block");
+}

@@ -1,0 +1,87 @@
+//! Shared fixtures: ids, chained hashes, and an index paired with its reference.
+
+use kv_router_client::index::reference::ReferenceIndex;
+use kv_router_client::index::{
+    IndexConfig, LookupResult, PrefixIndex, RemoveOutcome, StagedSnapshot, TierId, WorkerId,
+};
+
+pub fn w(raw: u32) -> WorkerId {
+    WorkerId::new(raw).expect("small worker id")
+}
+
+pub fn t(raw: u8) -> TierId {
+    TierId::new(raw).expect("small tier id")
+}
+
+/// A chained hash like an engine's: each block's hash depends on its parent's.
+pub fn chain(parent: u64, token_chunk: u64) -> u64 {
+    let mut x = parent ^ token_chunk.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    x ^= x >> 31;
+    x = x.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x ^ (x >> 29)
+}
+
+/// `n` chained hashes of one request, rooted at `root`.
+pub fn seq(root: u64, n: usize) -> Vec<u64> {
+    let mut out = Vec::with_capacity(n);
+    let mut h = root;
+    for i in 0..n {
+        h = chain(h, i as u64 + 1);
+        out.push(h);
+    }
+    out
+}
+
+/// An index and its reference, driven together; every operation's outcome must agree.
+pub struct Pair {
+    pub index: PrefixIndex,
+    pub reference: ReferenceIndex,
+}
+
+impl Pair {
+    pub fn new(config: IndexConfig) -> Self {
+        Self { index: PrefixIndex::new(config), reference: ReferenceIndex::new() }
+    }
+
+    pub fn store(&mut self, worker: WorkerId, tier: TierId, hashes: &[u64]) {
+        self.index.store(worker, tier, hashes);
+        self.reference.store(worker, tier, hashes);
+    }
+
+    pub fn remove(&mut self, worker: WorkerId, tier: TierId, hashes: &[u64]) -> RemoveOutcome {
+        let got = self.index.remove(worker, tier, hashes);
+        let want = self.reference.remove(worker, tier, hashes);
+        assert_eq!(got, want, "remove outcome");
+        got
+    }
+
+    pub fn clear(&mut self, worker: WorkerId, tier: Option<TierId>) {
+        self.index.clear(worker, tier);
+        self.reference.clear(worker, tier);
+    }
+
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        self.index.remove_worker(worker);
+        self.reference.remove_worker(worker);
+    }
+
+    pub fn replace(&mut self, worker: WorkerId, snapshot: &StagedSnapshot) {
+        self.index.replace_worker(worker, snapshot);
+        self.reference.replace_worker(worker, snapshot);
+    }
+
+    /// Looks up on both; panics with both answers side by side when they differ.
+    pub fn lookup(&self, hashes: &[u64]) -> LookupResult {
+        let got = self.index.lookup(hashes);
+        let want = self.reference.lookup(hashes);
+        assert_eq!(got, want, "lookup of {hashes:x?}\n  index:     {got:?}\n  reference: {want:?}");
+        got
+    }
+
+    /// Block counts and missing-remove counters agree.
+    pub fn check_counts(&self) {
+        let stats = self.index.stats();
+        assert_eq!(stats.blocks, self.reference.len(), "live blocks");
+        assert_eq!(stats.missing_removes, self.reference.missing_removes());
+    }
+}
