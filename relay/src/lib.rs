@@ -12,14 +12,24 @@
 //!   locality, namespaces, per-block tokens (pure).
 //! - [`model`]: the normalized model every other part speaks.
 //! - [`drops`]: drop reasons and rewrites, with their stable labels.
+//! - [`ingest`]: the engine side: a SUB and a replay DEALER per DP rank, gap refill, restarts,
+//!   priming, lost tails, the engine's load.
 //! - [`live`]: the live-block set with copies counted (the reference semantics of the snapshot).
+//! - [`store`]: the durable store in sled: bounded history, live-block snapshot, epoch and crash protocol.
+//! - [`server`]: the gRPC server (`kv_relay.v1.Relay`, health, reflection): resume streams over
+//!   the store, TLS, token, rate limits.
+//! - [`config`]: the daemon's flags and environment, validated whole before anything starts.
 //! - [`capture`]: capture files (JSON Lines of recorded messages) and decoding them whole.
 //! - [`decode_cmd`]: `relayctl decode`: the table and JSON renderings of a decoded capture.
 
 pub mod capture;
+pub mod config;
 pub mod decode_cmd;
 pub mod drops;
+pub mod ingest;
 pub mod live;
 pub mod model;
 pub mod normalize;
+pub mod server;
+pub mod store;
 pub mod wire;

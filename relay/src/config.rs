@@ -1,0 +1,243 @@
+//! The daemon's settings: command-line flags, each with a `KV_RELAY_*` environment variable,
+//! validated whole before any socket is bound or the store is opened.
+
+use crate::ingest::{endpoint, IngestConfig};
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Raw flags, as given.
+#[derive(Debug, Clone, Parser)]
+#[command(
+    name = "kv-relay",
+    version,
+    about = "Relays an inference engine's KV-cache events to KV-aware routers, losslessly"
+)]
+pub struct Args {
+    /// The engine's PUB endpoint of DP rank 0 (rank r: port + r, or `_dp{r}` for inproc).
+    #[arg(long, env = "KV_RELAY_ENDPOINT", default_value = "tcp://127.0.0.1:5557")]
+    pub endpoint: String,
+    /// The engine's replay (ROUTER) endpoint of DP rank 0. Without it, gaps cannot be refilled.
+    #[arg(long, env = "KV_RELAY_REPLAY_ENDPOINT")]
+    pub replay_endpoint: Option<String>,
+    /// Number of DP ranks (ranks 0..N).
+    #[arg(long, env = "KV_RELAY_DP_SIZE", default_value_t = 1)]
+    pub dp_size: u32,
+    /// A subset of ranks instead of 0..dp-size, e.g. `0,2`.
+    #[arg(long, env = "KV_RELAY_DP_RANKS", value_delimiter = ',')]
+    pub dp_ranks: Option<Vec<u32>>,
+    /// The engine's topic (the SUB subscribes to it as a prefix; empty takes everything).
+    #[arg(long, env = "KV_RELAY_TOPIC", default_value = "")]
+    pub topic: String,
+    /// The engine's Prometheus endpoint, for its load (running and waiting requests, KV usage).
+    #[arg(long, env = "KV_RELAY_ENGINE_METRICS_URL")]
+    pub engine_metrics_url: Option<String>,
+    /// How often the engine's load is scraped, in milliseconds.
+    #[arg(long, env = "KV_RELAY_LOAD_POLL_MS", default_value_t = 250)]
+    pub load_poll_ms: u64,
+    /// Heartbeat interval while a rank is quiet, in milliseconds.
+    #[arg(long, env = "KV_RELAY_HEARTBEAT_MS", default_value_t = 1000)]
+    pub heartbeat_ms: u64,
+    /// The store's directory (default: `$STATE_DIRECTORY` under systemd, else `./kv-relay-state`).
+    #[arg(long, env = "KV_RELAY_STATE_DIR")]
+    pub state_dir: Option<PathBuf>,
+    /// History bound in batches.
+    #[arg(long, env = "KV_RELAY_HISTORY_BATCHES", default_value_t = 10_000)]
+    pub history_batches: u64,
+    /// History bound in bytes.
+    #[arg(long, env = "KV_RELAY_HISTORY_BYTES", default_value_t = 256 << 20)]
+    pub history_bytes: u64,
+    /// The gRPC listen address.
+    #[arg(long, env = "KV_RELAY_LISTEN", default_value = "127.0.0.1:50051")]
+    pub listen: SocketAddr,
+    /// The Prometheus metrics listen address; `off` disables it.
+    #[arg(long, env = "KV_RELAY_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
+    pub metrics_listen: String,
+    /// Capacity of the queue between ingest and commit, in batches.
+    #[arg(long, env = "KV_RELAY_QUEUE", default_value_t = 1024)]
+    pub queue: usize,
+    /// How long a replay request may go unanswered, in milliseconds.
+    #[arg(long, env = "KV_RELAY_REPLAY_TIMEOUT_MS", default_value_t = 2000)]
+    pub replay_timeout_ms: u64,
+    /// How long a rank must be quiet before its replay socket is probed for a lost tail, in
+    /// milliseconds.
+    #[arg(long, env = "KV_RELAY_TAIL_PROBE_MS", default_value_t = 3000)]
+    pub tail_probe_ms: u64,
+    /// Log format: `text` or `json`.
+    #[arg(long, env = "KV_RELAY_LOG_FORMAT", default_value = "text")]
+    pub log_format: String,
+}
+
+/// A setting that cannot work, with why.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid setting {setting}: {why}")]
+pub struct ConfigError {
+    pub setting: &'static str,
+    pub why: String,
+}
+
+fn bad(setting: &'static str, why: impl Into<String>) -> ConfigError {
+    ConfigError { setting, why: why.into() }
+}
+
+/// Validated settings.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub ingest: IngestConfig,
+    pub engine_metrics_url: Option<String>,
+    pub load_poll: Duration,
+    pub heartbeat: Duration,
+    pub state_dir: PathBuf,
+    pub history_batches: u64,
+    pub history_bytes: u64,
+    pub listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub json_logs: bool,
+}
+
+impl Args {
+    /// Checks every setting and builds the daemon's configuration.
+    pub fn validate(&self) -> Result<Config, ConfigError> {
+        let dp_ranks = match &self.dp_ranks {
+            Some(r) if r.is_empty() => return Err(bad("dp-ranks", "empty list")),
+            Some(r) => {
+                let mut r = r.clone();
+                r.sort_unstable();
+                r.dedup();
+                r
+            }
+            None if self.dp_size == 0 => return Err(bad("dp-size", "must be at least 1")),
+            None => (0..self.dp_size).collect(),
+        };
+        for ep in [Some(&self.endpoint), self.replay_endpoint.as_ref()].into_iter().flatten() {
+            let setting = if ep == &self.endpoint { "endpoint" } else { "replay-endpoint" };
+            if !["tcp://", "ipc://", "inproc://"].iter().any(|p| ep.starts_with(p)) {
+                return Err(bad(setting, format!("{ep:?} is not a tcp://, ipc:// or inproc:// endpoint")));
+            }
+            for &r in &dp_ranks {
+                endpoint::for_rank(ep, r).map_err(|e| bad(setting, e.to_string()))?;
+            }
+        }
+        if let (Some(rep), true) = (&self.replay_endpoint, dp_ranks.len() > 1) {
+            // Rank r's PUB port must not be another rank's replay port.
+            let pubs: Vec<String> =
+                dp_ranks.iter().filter_map(|&r| endpoint::for_rank(&self.endpoint, r).ok()).collect();
+            for &r in &dp_ranks {
+                let re = endpoint::for_rank(rep, r).map_err(|e| bad("replay-endpoint", e.to_string()))?;
+                if pubs.contains(&re) {
+                    return Err(bad(
+                        "replay-endpoint",
+                        format!("rank {r}'s replay endpoint {re} is also a PUB endpoint (move the replay base, e.g. to port 5567)"),
+                    ));
+                }
+            }
+        }
+        if let Some(url) = &self.engine_metrics_url {
+            crate::ingest::load::split_url(url).map_err(|e| bad("engine-metrics-url", e.to_string()))?;
+        }
+        if self.load_poll_ms == 0 {
+            return Err(bad("load-poll-ms", "must be above 0"));
+        }
+        if self.heartbeat_ms == 0 {
+            return Err(bad("heartbeat-ms", "must be above 0"));
+        }
+        if self.history_batches == 0 {
+            return Err(bad("history-batches", "must be at least 1"));
+        }
+        if self.history_bytes < 1 << 20 {
+            return Err(bad("history-bytes", "must be at least 1 MiB"));
+        }
+        if self.queue == 0 {
+            return Err(bad("queue", "must be at least 1"));
+        }
+        let metrics_listen = match self.metrics_listen.as_str() {
+            "off" | "" => None,
+            s => Some(s.parse().map_err(|_| bad("metrics-listen", format!("{s:?} is not host:port or `off`")))?),
+        };
+        let json_logs = match self.log_format.as_str() {
+            "text" => false,
+            "json" => true,
+            other => return Err(bad("log-format", format!("{other:?}: use text or json"))),
+        };
+        let state_dir = self
+            .state_dir
+            .clone()
+            .or_else(|| {
+                std::env::var_os("STATE_DIRECTORY").map(|s| {
+                    // systemd may list several directories separated by ':'; the first is ours.
+                    PathBuf::from(s.to_string_lossy().split(':').next().unwrap_or_default().to_string())
+                })
+            })
+            .unwrap_or_else(|| PathBuf::from("./kv-relay-state"));
+        Ok(Config {
+            ingest: IngestConfig {
+                endpoint: self.endpoint.clone(),
+                replay_endpoint: self.replay_endpoint.clone(),
+                dp_ranks,
+                topic: self.topic.clone(),
+                replay_timeout: Duration::from_millis(self.replay_timeout_ms.max(1)),
+                tail_probe: Duration::from_millis(self.tail_probe_ms.max(1)),
+                rcvhwm: 100_000,
+                queue: self.queue,
+            },
+            engine_metrics_url: self.engine_metrics_url.clone(),
+            load_poll: Duration::from_millis(self.load_poll_ms),
+            heartbeat: Duration::from_millis(self.heartbeat_ms),
+            state_dir,
+            history_batches: self.history_batches,
+            history_bytes: self.history_bytes,
+            listen: self.listen,
+            metrics_listen,
+            json_logs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(extra: &[&str]) -> Args {
+        let mut v = vec!["kv-relay"];
+        v.extend_from_slice(extra);
+        Args::try_parse_from(v).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_the_documented_ones() {
+        let c = args(&["--state-dir", "/tmp/x"]).validate().unwrap();
+        assert_eq!(c.ingest.endpoint, "tcp://127.0.0.1:5557");
+        assert_eq!(c.ingest.dp_ranks, vec![0]);
+        assert_eq!(c.listen, "127.0.0.1:50051".parse().unwrap());
+        assert_eq!(c.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
+        assert_eq!((c.history_batches, c.history_bytes), (10_000, 256 << 20));
+        assert_eq!(c.load_poll, Duration::from_millis(250));
+        assert_eq!(c.heartbeat, Duration::from_secs(1));
+    }
+
+    #[test]
+    fn ranks_come_from_dp_size_or_an_explicit_subset() {
+        assert_eq!(args(&["--dp-size", "3"]).validate().unwrap().ingest.dp_ranks, vec![0, 1, 2]);
+        assert_eq!(args(&["--dp-ranks", "2,0,2"]).validate().unwrap().ingest.dp_ranks, vec![0, 2]);
+    }
+
+    #[test]
+    fn bad_settings_name_the_setting_and_why() {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--dp-size", "0"], "dp-size"),
+            (&["--endpoint", "udp://x:1"], "endpoint"),
+            (&["--endpoint", "ipc:///tmp/kv", "--dp-size", "2"], "endpoint"),
+            (&["--replay-endpoint", "tcp://127.0.0.1:5558", "--dp-size", "2"], "replay-endpoint"),
+            (&["--engine-metrics-url", "https://x/metrics"], "engine-metrics-url"),
+            (&["--history-bytes", "1000"], "history-bytes"),
+            (&["--metrics-listen", "nowhere"], "metrics-listen"),
+            (&["--log-format", "xml"], "log-format"),
+        ];
+        for (a, setting) in cases {
+            let e = args(a).validate().unwrap_err();
+            assert_eq!(e.setting, *setting, "{a:?}: {e}");
+        }
+        assert_eq!(args(&["--metrics-listen", "off"]).validate().unwrap().metrics_listen, None);
+    }
+}

@@ -1,0 +1,118 @@
+//! The engine side: one SUB + DEALER pair per DP rank ([`rank`]), the engine's load
+//! ([`load`]), and per-rank endpoints ([`endpoint`]).
+//!
+//! Ingest hands [`IngestItem`]s to the committer through one bounded channel
+//! ([`IngestConfig::queue`] items). When the channel is full, the rank threads block, their SUB
+//! queues fill and the engine's PUB sockets drop at their high-water mark: those batches come
+//! back through gap refill. The ingest never drops a batch silently.
+
+pub mod endpoint;
+pub mod load;
+mod metrics;
+pub mod rank;
+
+pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// The ingest's settings.
+#[derive(Debug, Clone)]
+pub struct IngestConfig {
+    /// Rank 0's PUB endpoint; rank r's is derived ([`endpoint::for_rank`]).
+    pub endpoint: String,
+    /// Rank 0's replay endpoint, if the engine has one.
+    pub replay_endpoint: Option<String>,
+    pub dp_ranks: Vec<u32>,
+    pub topic: String,
+    pub replay_timeout: Duration,
+    pub tail_probe: Duration,
+    pub rcvhwm: i32,
+    /// Capacity of the channel to the committer (items).
+    pub queue: usize,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            endpoint: "tcp://127.0.0.1:5557".into(),
+            replay_endpoint: None,
+            dp_ranks: vec![0],
+            topic: String::new(),
+            replay_timeout: Duration::from_secs(2),
+            tail_probe: Duration::from_secs(3),
+            rcvhwm: 100_000,
+            queue: 1024,
+        }
+    }
+}
+
+impl IngestConfig {
+    /// Each rank's settings, with derived endpoints.
+    pub fn ranks(&self) -> Result<Vec<RankConfig>, endpoint::EndpointError> {
+        self.dp_ranks
+            .iter()
+            .map(|&r| {
+                Ok(RankConfig {
+                    dp_rank: r,
+                    pub_endpoint: endpoint::for_rank(&self.endpoint, r)?,
+                    replay_endpoint: self.replay_endpoint.as_deref().map(|e| endpoint::for_rank(e, r)).transpose()?,
+                    topic: self.topic.clone(),
+                    replay_timeout: self.replay_timeout,
+                    tail_probe: self.tail_probe,
+                    rcvhwm: self.rcvhwm,
+                })
+            })
+            .collect()
+    }
+}
+
+/// The running ingest: one thread per rank.
+pub struct Ingest {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+    /// Each rank's status, for the status RPC and metrics.
+    pub status: BTreeMap<u32, SharedRankStatus>,
+}
+
+impl Ingest {
+    /// Starts a thread per rank. `resume` holds where the store left each rank.
+    pub fn start(
+        cfg: &IngestConfig,
+        ctx: zmq::Context,
+        resume: &BTreeMap<u32, Resume>,
+        out: mpsc::Sender<IngestItem>,
+    ) -> Result<Ingest, endpoint::EndpointError> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut status = BTreeMap::new();
+        let mut threads = Vec::new();
+        for rc in cfg.ranks()? {
+            let st = SharedRankStatus::default();
+            status.insert(rc.dp_rank, st.clone());
+            let (ctx, out, stop, resume) = (ctx.clone(), out.clone(), stop.clone(), resume.get(&rc.dp_rank).copied());
+            let rank = rc.dp_rank;
+            let t = std::thread::Builder::new()
+                .name(format!("ingest-rank-{rank}"))
+                .spawn(move || {
+                    if let Err(e) = rank::run(rc, ctx, resume, out, st, stop) {
+                        tracing::error!(dp_rank = rank, error = %e, "rank ingest stopped on a socket error");
+                    }
+                })
+                .expect("spawning an ingest thread");
+            threads.push(t);
+        }
+        Ok(Ingest { stop, threads, status })
+    }
+
+    /// Asks every rank thread to stop and waits for them.
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
+}

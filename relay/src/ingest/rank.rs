@@ -1,0 +1,522 @@
+//! One DP rank's ingest: a SUB socket on the rank's PUB endpoint and a DEALER to its replay
+//! ROUTER, run on a thread of its own (ZeroMQ sockets are blocking).
+//!
+//! The rules (also in `docs/architecture.md`, "Ingest"):
+//! * **Order.** Batches are handed on in engine `seq` order with no hole: the next batch of a
+//!   rank is always `last + 1`.
+//! * **Gap.** A live batch past `last + 1` asks the replay socket for `last + 1 ..`; the refilled
+//!   batches go first, then the live one. What the replay buffer no longer holds is lost for
+//!   good: counted, and the rank is marked *degraded* (removals may be missing, so stale blocks may
+//!   be held) until its state is known again: an `AllBlocksCleared` or a publisher restart.
+//! * **Publisher restart.** `seq` not greater than the last one (every release restarts at 0 and
+//!   empties its buffer) resets the rank: a `RankReset` control first, then the new publisher's
+//!   batches, refilled from seq 0 when the first one seen is later.
+//! * **Priming.** Before taking live batches, the rank is read from its replay socket: from seq 0
+//!   for a rank the relay has never seen; from the last seq the store holds otherwise, checking
+//!   by the batch's timestamp that it is still the same publisher (else it is a restart). A
+//!   buffer that no longer starts at seq 0 marks a new rank *incomplete*: it may miss blocks
+//!   announced before, but holds no stale ones.
+//! * **Lost tail.** A batch lost just before the engine goes quiet has no successor to reveal the
+//!   gap, so while the rank is quiet the replay socket is asked for anything after `last`, at most
+//!   once per `tail_probe` interval.
+//! * **Backpressure.** Items go out through a bounded channel; when it is full this thread blocks,
+//!   the SUB socket's queue fills, and the engine's PUB drops at its high-water mark: those
+//!   batches come back through the gap rule. Nothing is dropped silently here.
+
+use super::metrics as m;
+use crate::drops::Tally;
+use crate::model::{Batch, Control, ControlKind};
+use crate::normalize::Normalizer;
+use crate::wire::{self, ReplayReply};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+
+/// What the ingest hands to the committer.
+#[derive(Debug, Clone, PartialEq)]
+pub enum IngestItem {
+    /// A normalized batch.
+    Batch {
+        batch: Batch,
+        /// Events dropped by the decoder and normalizer in this batch, by reason.
+        drops: Tally,
+        /// Came from the replay socket (priming, gap refill, lost tail) rather than live.
+        refilled: bool,
+    },
+    /// A change of the rank's state.
+    Control(Control),
+}
+
+/// Where a rank stood when the relay last committed it (from the store).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Resume {
+    pub last_seq: u64,
+    /// The engine's timestamp of that batch: tells the same publisher from a restarted one.
+    pub last_ts: f64,
+}
+
+/// One rank's settings.
+#[derive(Debug, Clone)]
+pub struct RankConfig {
+    pub dp_rank: u32,
+    pub pub_endpoint: String,
+    pub replay_endpoint: Option<String>,
+    pub topic: String,
+    /// How long one replay may go without a reply before it is abandoned.
+    pub replay_timeout: Duration,
+    /// How long a rank must be quiet before its replay socket is probed for a lost tail, and the
+    /// least time between two probes.
+    pub tail_probe: Duration,
+    /// The SUB socket's receive high-water mark (messages).
+    pub rcvhwm: i32,
+}
+
+/// The rank's health as the relay knows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Health {
+    #[default]
+    Ok,
+    Degraded,
+    Incomplete,
+}
+
+impl Health {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Ok => "ok",
+            Health::Degraded => "degraded",
+            Health::Incomplete => "incomplete",
+        }
+    }
+}
+
+/// What the rank thread shares with status readers.
+#[derive(Debug, Clone, Default)]
+pub struct RankStatus {
+    pub health: Health,
+    pub reason: Option<String>,
+    /// Last engine seq handed on.
+    pub last_seq: Option<u64>,
+    /// Engine timestamp of that batch.
+    pub last_ts: Option<f64>,
+    /// When the last batch arrived (live or refilled).
+    pub last_batch_at: Option<Instant>,
+    pub batches: u64,
+    pub gaps: u64,
+    pub refilled: u64,
+    pub lost: u64,
+    pub restarts: u64,
+    pub message_errors: u64,
+    pub tail_probes: u64,
+    /// The rank's thread has stopped (shutdown, or the channel closed).
+    pub stopped: bool,
+}
+
+/// Shared, cheap-to-clone view of one rank's status.
+pub type SharedRankStatus = Arc<Mutex<RankStatus>>;
+
+#[derive(Debug)]
+enum ReplayError {
+    NoEndpoint,
+    Timeout,
+    Zmq(zmq::Error),
+}
+
+impl std::fmt::Display for ReplayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ReplayError::NoEndpoint => f.write_str("no replay endpoint configured"),
+            ReplayError::Timeout => f.write_str("the replay socket did not answer in time"),
+            ReplayError::Zmq(e) => write!(f, "replay socket: {e}"),
+        }
+    }
+}
+
+/// The channel closed: the relay is shutting down.
+struct Closed;
+
+struct Rank {
+    cfg: RankConfig,
+    ctx: zmq::Context,
+    dealer: Option<zmq::Socket>,
+    out: mpsc::Sender<IngestItem>,
+    status: SharedRankStatus,
+    normalizer: Normalizer,
+    last: Option<(u64, f64)>,
+    /// (seq, ts) of the batches handed on lately, newest last: a live batch with a seq not
+    /// above `last` is a duplicate (already refilled from the replay socket) when it is here,
+    /// and a publisher restart otherwise.
+    recent: std::collections::VecDeque<(u64, f64)>,
+    health: Health,
+}
+
+/// How many recent (seq, ts) pairs are remembered to tell duplicates from restarts. A replay
+/// can refill at most the engine's buffer (10,000 batches by default).
+const RECENT: usize = 16_384;
+
+/// Runs one rank until `stop` is set or the channel closes. Blocking: call on its own thread.
+pub fn run(
+    cfg: RankConfig,
+    ctx: zmq::Context,
+    resume: Option<Resume>,
+    out: mpsc::Sender<IngestItem>,
+    status: SharedRankStatus,
+    stop: Arc<AtomicBool>,
+) -> Result<(), zmq::Error> {
+    let sub = ctx.socket(zmq::SUB)?;
+    sub.set_rcvhwm(cfg.rcvhwm)?;
+    sub.set_reconnect_ivl(100)?;
+    sub.set_reconnect_ivl_max(2000)?;
+    sub.set_subscribe(cfg.topic.as_bytes())?;
+    sub.connect(&cfg.pub_endpoint)?;
+    let mut r = Rank {
+        cfg,
+        ctx,
+        dealer: None,
+        out,
+        status,
+        normalizer: Normalizer::new(),
+        last: resume.map(|r| (r.last_seq, r.last_ts)),
+        recent: resume.map(|r| (r.last_seq, r.last_ts)).into_iter().collect(),
+        health: Health::Ok,
+    };
+    {
+        let mut s = r.status.lock().expect("rank status");
+        s.last_seq = r.last.map(|l| l.0);
+        s.last_ts = r.last.map(|l| l.1);
+    }
+    let result = r.main_loop(&sub, resume, &stop);
+    r.status.lock().expect("rank status").stopped = true;
+    result
+}
+
+impl Rank {
+    fn main_loop(&mut self, sub: &zmq::Socket, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
+        if self.prime(resume).is_err() {
+            return Ok(());
+        }
+        let mut last_activity = Instant::now();
+        let mut last_probe = Instant::now();
+        while !stop.load(Ordering::Relaxed) {
+            let mut items = [sub.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, 100)?;
+            if items[0].is_readable() {
+                let frames = sub.recv_multipart(0)?;
+                last_activity = Instant::now();
+                if self.on_live(&frames).is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
+            let quiet = last_activity.elapsed() >= self.cfg.tail_probe;
+            if quiet && last_probe.elapsed() >= self.cfg.tail_probe && self.cfg.replay_endpoint.is_some() {
+                last_probe = Instant::now();
+                if self.probe_tail().is_err() {
+                    return Ok(());
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn rank(&self) -> u32 {
+        self.cfg.dp_rank
+    }
+
+    fn update(&self, f: impl FnOnce(&mut RankStatus)) {
+        f(&mut self.status.lock().expect("rank status"));
+    }
+
+    fn send(&self, item: IngestItem) -> Result<(), Closed> {
+        self.out.blocking_send(item).map_err(|_| Closed)
+    }
+
+    fn control(&mut self, kind: ControlKind) -> Result<(), Closed> {
+        let reason = match &kind {
+            ControlKind::RankReset { reason }
+            | ControlKind::RankDegraded { reason }
+            | ControlKind::RankIncomplete { reason } => Some(reason.clone()),
+            ControlKind::RankRecovered => None,
+        };
+        match &kind {
+            ControlKind::RankDegraded { .. } => self.health = Health::Degraded,
+            ControlKind::RankIncomplete { .. } if self.health == Health::Ok => self.health = Health::Incomplete,
+            ControlKind::RankIncomplete { .. } => {}
+            ControlKind::RankRecovered => self.health = Health::Ok,
+            ControlKind::RankReset { .. } => {}
+        }
+        let health = self.health;
+        tracing::warn!(dp_rank = self.rank(), ?kind, "rank state changed");
+        self.update(|s| {
+            s.health = health;
+            if health == Health::Ok {
+                s.reason = None;
+            } else if reason.is_some() && !matches!(kind, ControlKind::RankReset { .. }) {
+                s.reason = reason;
+            }
+        });
+        m::rank_health(self.rank(), health);
+        self.send(IngestItem::Control(Control { dp_rank: self.rank(), kind }))
+    }
+
+    /// A publisher restart: the rank's state is dropped, and a degraded or incomplete rank is
+    /// known again from here on.
+    fn reset(&mut self, reason: String) -> Result<(), Closed> {
+        self.normalizer.reset_rank(self.rank());
+        self.last = None;
+        self.recent.clear();
+        self.update(|s| s.restarts += 1);
+        m::restart(self.rank());
+        self.control(ControlKind::RankReset { reason })?;
+        if self.health != Health::Ok {
+            self.control(ControlKind::RankRecovered)?;
+        }
+        Ok(())
+    }
+
+    /// Decodes, normalizes and hands on one batch with the next seq.
+    fn apply(&mut self, seq: u64, payload: &[u8], refilled: bool) -> Result<(), Closed> {
+        let raw = match wire::decode_batch(payload) {
+            Ok(raw) => raw,
+            Err(e) => {
+                // The seq is consumed: the engine will never send this batch differently.
+                m::message_error(self.rank(), e.as_str());
+                self.update(|s| s.message_errors += 1);
+                self.last = Some((seq, self.last.map_or(0.0, |l| l.1)));
+                self.update(|s| s.last_seq = Some(seq));
+                return Ok(());
+            }
+        };
+        if raw.truncated {
+            m::message_error(self.rank(), "truncated_batch");
+            self.update(|s| s.message_errors += 1);
+        }
+        let ts = raw.ts;
+        if self.recent.len() == RECENT {
+            self.recent.pop_front();
+        }
+        self.recent.push_back((seq, ts));
+        let n = self.normalizer.normalize(self.rank(), seq, raw);
+        let clears = n.batch.events.iter().any(|e| matches!(e, crate::model::Event::Cleared(c) if c.tier.is_none()));
+        m::batch(self.rank(), &n.batch, &n.drops, &n.rewrites, refilled);
+        self.last = Some((seq, ts));
+        self.update(|s| {
+            s.last_seq = Some(seq);
+            s.last_ts = Some(ts);
+            s.last_batch_at = Some(Instant::now());
+            s.batches += 1;
+            if refilled {
+                s.refilled += 1;
+            }
+        });
+        self.send(IngestItem::Batch { batch: n.batch, drops: n.drops, refilled })?;
+        if clears && self.health != Health::Ok {
+            self.control(ControlKind::RankRecovered)?;
+        }
+        Ok(())
+    }
+
+    fn on_live(&mut self, frames: &[Vec<u8>]) -> Result<(), Closed> {
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        let f = match wire::split_pub(&refs) {
+            Ok(f) => f,
+            Err(e) => {
+                m::message_error(self.rank(), e.as_str());
+                self.update(|s| s.message_errors += 1);
+                return Ok(());
+            }
+        };
+        match self.last {
+            Some((last, _)) if f.seq == last.wrapping_add(1) => self.apply(f.seq, f.payload, false),
+            Some((last, _)) if f.seq <= last => {
+                let ts = wire::decode_batch(f.payload).map(|b| b.ts.to_bits()).ok();
+                if ts.is_some_and(|ts| self.recent.iter().any(|(s, t)| *s == f.seq && t.to_bits() == ts)) {
+                    // Already handed on from the replay socket.
+                    m::duplicate(self.rank());
+                    return Ok(());
+                }
+                self.reset(format!("publisher restarted: seq went back from {last} to {}", f.seq))?;
+                if f.seq > 0 {
+                    self.refill(0, f.seq)?;
+                }
+                self.apply(f.seq, f.payload, false)
+            }
+            Some((last, _)) => {
+                self.refill(last + 1, f.seq)?;
+                self.apply(f.seq, f.payload, false)
+            }
+            None => {
+                if f.seq > 0 {
+                    self.refill(0, f.seq)?;
+                }
+                self.apply(f.seq, f.payload, false)
+            }
+        }
+    }
+
+    /// Refills `from .. upto` from the replay socket, applying what it holds in order.
+    fn refill(&mut self, from: u64, upto: u64) -> Result<(), Closed> {
+        m::gap(self.rank());
+        self.update(|s| s.gaps += 1);
+        let got = match self.replay(from) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(dp_rank = self.rank(), from, upto, error = %e, "gap cannot be refilled");
+                Vec::new()
+            }
+        };
+        let mut next = from;
+        for (seq, payload) in got.into_iter().filter(|(s, _)| *s >= from && *s < upto) {
+            if seq != next {
+                self.lost(next, seq)?;
+            }
+            self.apply(seq, &payload, true)?;
+            next = seq + 1;
+        }
+        if next < upto {
+            self.lost(next, upto)?;
+        }
+        Ok(())
+    }
+
+    /// `from .. upto` is gone for good.
+    fn lost(&mut self, from: u64, upto: u64) -> Result<(), Closed> {
+        let n = upto - from;
+        m::lost(self.rank(), n);
+        self.update(|s| s.lost += n);
+        let reason = if self.cfg.replay_endpoint.is_none() {
+            format!("{n} batches (seq {from}..{}) lost: no replay endpoint", upto - 1)
+        } else {
+            format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1)
+        };
+        if self.last.is_none() && from == 0 {
+            // Nothing known before this: old blocks may be missing, none is stale.
+            self.control(ControlKind::RankIncomplete { reason })
+        } else {
+            self.control(ControlKind::RankDegraded { reason })
+        }
+    }
+
+    fn prime(&mut self, resume: Option<Resume>) -> Result<(), Closed> {
+        if self.cfg.replay_endpoint.is_none() {
+            return Ok(());
+        }
+        let start = resume.map_or(0, |r| r.last_seq);
+        let got = match self.replay(start) {
+            Ok(b) => b,
+            Err(e) => {
+                tracing::warn!(dp_rank = self.rank(), error = %e, "reading the replay socket failed");
+                return Ok(());
+            }
+        };
+        if let Some(r) = resume {
+            match got.first() {
+                Some((seq, payload)) if *seq == r.last_seq => {
+                    let same = wire::decode_batch(payload).is_ok_and(|b| b.ts.to_bits() == r.last_ts.to_bits());
+                    if same {
+                        return self.apply_replayed(got.into_iter().skip(1).collect());
+                    }
+                }
+                Some((seq, _)) if *seq > r.last_seq => {
+                    // The buffer rolled past where the relay stopped: the same publisher or not,
+                    // what came between is unknown.
+                    let first = *seq;
+                    self.lost(r.last_seq + 1, first)?;
+                    return self.apply_replayed(got);
+                }
+                _ => {}
+            }
+            self.reset(format!(
+                "publisher changed while the relay was not receiving (seq {} at ts {} is not in its replay buffer)",
+                r.last_seq, r.last_ts
+            ))?;
+            let all = self.replay(0).unwrap_or_default();
+            return self.apply_from_zero(all);
+        }
+        self.apply_from_zero(got)
+    }
+
+    fn apply_from_zero(&mut self, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
+        if let Some((first, _)) = got.first() {
+            if *first > 0 {
+                let first = *first;
+                m::lost(self.rank(), first);
+                self.control(ControlKind::RankIncomplete {
+                    reason: format!(
+                        "the engine's replay buffer starts at seq {first}: blocks announced before are unknown"
+                    ),
+                })?;
+            }
+        }
+        self.apply_replayed(got)
+    }
+
+    /// Applies replayed batches in order, with the gap and restart rules.
+    fn apply_replayed(&mut self, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
+        for (seq, payload) in got {
+            match self.last {
+                Some((last, _)) if seq <= last => continue,
+                Some((last, _)) if seq > last + 1 => self.lost(last + 1, seq)?,
+                _ => {}
+            }
+            self.apply(seq, &payload, true)?;
+        }
+        Ok(())
+    }
+
+    /// While the rank is quiet: asks the replay socket for the last batch handed on and what
+    /// follows. The same publisher still has that batch (same seq, same timestamp): anything
+    /// after it is a lost tail, refilled. A publisher that no longer has it has restarted (its
+    /// batches were all missed while the SUB reconnected): the rank is reset and read again from
+    /// seq 0. This is the same check as priming a rank the store already knows.
+    fn probe_tail(&mut self) -> Result<(), Closed> {
+        self.update(|s| s.tail_probes += 1);
+        let resume = self.last.map(|(last_seq, last_ts)| Resume { last_seq, last_ts });
+        let before = self.status.lock().expect("rank status").batches;
+        self.prime(resume)?;
+        let after = self.status.lock().expect("rank status").batches;
+        if after > before {
+            tracing::info!(dp_rank = self.rank(), batches = after - before, "quiet rank: missed batches refilled");
+            m::gap(self.rank());
+            self.update(|s| s.gaps += 1);
+        }
+        Ok(())
+    }
+
+    /// Asks the replay socket for every buffered batch from `from`, until the end marker.
+    fn replay(&mut self, from: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+        let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
+            return Err(ReplayError::NoEndpoint);
+        };
+        if self.dealer.is_none() {
+            let d = self.ctx.socket(zmq::DEALER).map_err(ReplayError::Zmq)?;
+            d.set_linger(0).map_err(ReplayError::Zmq)?;
+            d.set_rcvhwm(0).map_err(ReplayError::Zmq)?;
+            d.connect(&endpoint).map_err(ReplayError::Zmq)?;
+            self.dealer = Some(d);
+        }
+        let d = self.dealer.as_ref().expect("dealer");
+        d.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0).map_err(ReplayError::Zmq)?;
+        let mut out = Vec::new();
+        loop {
+            let mut items = [d.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, self.cfg.replay_timeout.as_millis() as i64).map_err(ReplayError::Zmq)?;
+            if !items[0].is_readable() {
+                // Drop the socket so a late answer cannot be mistaken for the next one's.
+                self.dealer = None;
+                return Err(ReplayError::Timeout);
+            }
+            let frames = d.recv_multipart(0).map_err(ReplayError::Zmq)?;
+            let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+            match wire::split_replay(&refs) {
+                Ok(ReplayReply::End) => return Ok(out),
+                Ok(ReplayReply::Batch(f)) => out.push((f.seq, f.payload.to_vec())),
+                Err(e) => {
+                    m::message_error(self.cfg.dp_rank, e.as_str());
+                    self.update(|s| s.message_errors += 1);
+                }
+            }
+        }
+    }
+}
