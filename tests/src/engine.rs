@@ -61,6 +61,11 @@ pub struct EngineConfig {
     /// Generated traffic: tokens per block and cache capacity in blocks, per rank.
     pub block_size: u32,
     pub cache_blocks: usize,
+    /// Generated traffic: offload GPU evictions to a host tier of this many blocks per rank
+    /// (vLLM medium `CPU`, SGLang `CPU_PINNED`); 0: no host tier.
+    pub host_tier_blocks: usize,
+    /// vLLM: publish hashes as raw 32-byte digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
+    pub bytes_hashes: bool,
 }
 
 impl EngineConfig {
@@ -79,6 +84,8 @@ impl EngineConfig {
             record: false,
             block_size: 16,
             cache_blocks: 1024,
+            host_tier_blocks: 0,
+            bytes_hashes: false,
         }
     }
 }
@@ -154,7 +161,7 @@ pub struct MockEngine {
     paused: Mutex<bool>,
     unpaused: Condvar,
     garbage_counter: AtomicU64,
-    _ctx: zmq::Context,
+    ctx: zmq::Context,
 }
 
 /// The frame of [`MockEngine::probe`].
@@ -167,7 +174,13 @@ fn now_ts() -> f64 {
 impl MockEngine {
     /// Bind every rank's sockets (and `/metrics`) and start the publisher threads.
     pub fn start(cfg: EngineConfig) -> Result<MockEngine, EngineError> {
-        let ctx = zmq::Context::new();
+        MockEngine::start_in(cfg, zmq::Context::new())
+    }
+
+    /// As [`MockEngine::start`], on the given zmq context: `inproc://` endpoints are only
+    /// reachable by sockets of the same context (pass the relay's, or use
+    /// [`MockEngine::context`]).
+    pub fn start_in(cfg: EngineConfig, ctx: zmq::Context) -> Result<MockEngine, EngineError> {
         let layout = cfg.replay_layout.unwrap_or_else(|| cfg.wire.replay_layout());
         let mut ranks = Vec::new();
         for rank in 0..cfg.dp_size {
@@ -186,7 +199,9 @@ impl MockEngine {
                     running: true,
                     needs_clear: cfg.wire.clears_on_start(),
                     epoch: 0,
-                    cache: CacheSim::new(cfg.wire.engine, cfg.block_size, cfg.cache_blocks),
+                    cache: CacheSim::new(cfg.wire.engine, cfg.block_size, cfg.cache_blocks)
+                        .with_bytes_hashes(cfg.bytes_hashes)
+                        .with_host_tier(cfg.host_tier_blocks),
                 }),
             });
         }
@@ -204,8 +219,13 @@ impl MockEngine {
             paused: Mutex::new(false),
             unpaused: Condvar::new(),
             garbage_counter: AtomicU64::new(0),
-            _ctx: ctx,
+            ctx,
         })
+    }
+
+    /// The zmq context the ranks' sockets live in.
+    pub fn context(&self) -> &zmq::Context {
+        &self.ctx
     }
 
     pub fn config(&self) -> &EngineConfig {
@@ -352,6 +372,11 @@ impl MockEngine {
     /// The hashes the generator's cache of `rank` holds.
     pub fn cache_hashes(&self, rank: u32) -> Result<std::collections::BTreeSet<u64>, EngineError> {
         Ok(self.lock_state(rank)?.1.cache.hashes())
+    }
+
+    /// The hashes the generator's host tier of `rank` holds.
+    pub fn host_hashes(&self, rank: u32) -> Result<std::collections::BTreeSet<u64>, EngineError> {
+        Ok(self.lock_state(rank)?.1.cache.host_hashes())
     }
 
     /// `reset_prefix_cache`: the rank's cache is emptied and `AllBlocksCleared` published.

@@ -52,6 +52,8 @@ struct Node {
     parent: Option<u64>,
     children: u32,
     last_used: u64,
+    /// The hash as published (int or digest), repeated in removals.
+    wire: BlockHash,
 }
 
 /// One rank's prefix cache. Blocks are keyed by their event hash (normalised u64); a block is
@@ -65,6 +67,20 @@ pub struct CacheSim {
     /// Evictable candidates: leaves ordered by last use (LRU first).
     leaves: BTreeSet<(u64, u64)>,
     tick: u64,
+    /// vLLM with `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`: hashes published as raw digests.
+    bytes_hashes: bool,
+    /// Optional host tier that GPU evictions are offloaded to.
+    host: Option<HostTier>,
+}
+
+/// A host (CPU) tier: blocks evicted from the GPU are written here (vLLM's offloading
+/// connector, medium `CPU`; SGLang HiCache, `CPU_PINNED`), LRU-evicted at its capacity.
+#[derive(Debug, Clone)]
+struct HostTier {
+    capacity: usize,
+    /// hash → (last use, wire hash)
+    members: HashMap<u64, (u64, BlockHash)>,
+    lru: BTreeSet<(u64, u64)>,
 }
 
 impl CacheSim {
@@ -76,7 +92,34 @@ impl CacheSim {
             nodes: HashMap::new(),
             leaves: BTreeSet::new(),
             tick: 0,
+            bytes_hashes: false,
+            host: None,
         }
+    }
+
+    /// Publish raw digests instead of ints (vLLM only; SGLang always publishes ints).
+    pub fn with_bytes_hashes(mut self, on: bool) -> Self {
+        self.bytes_hashes = on && self.engine == Engine::Vllm;
+        self
+    }
+
+    /// Offload GPU evictions to a host tier of `capacity` blocks (0: none).
+    pub fn with_host_tier(mut self, capacity: usize) -> Self {
+        self.host = (capacity > 0).then(|| HostTier { capacity, members: HashMap::new(), lru: BTreeSet::new() });
+        self
+    }
+
+    /// The medium of the host tier on this engine's wire.
+    pub fn host_medium(&self) -> &'static str {
+        match self.engine {
+            Engine::Vllm => "CPU",
+            Engine::Sglang => "CPU_PINNED",
+        }
+    }
+
+    /// Every block hash held by the host tier (normalised).
+    pub fn host_hashes(&self) -> BTreeSet<u64> {
+        self.host.as_ref().map(|h| h.members.keys().copied().collect()).unwrap_or_default()
     }
 
     pub fn len(&self) -> usize {
@@ -101,6 +144,10 @@ impl CacheSim {
     pub fn clear(&mut self) {
         self.nodes.clear();
         self.leaves.clear();
+        if let Some(h) = &mut self.host {
+            h.members.clear();
+            h.lru.clear();
+        }
     }
 
     /// The chain of (wire hash, normalised hash) for a request's blocks.
@@ -112,7 +159,8 @@ impl CacheSim {
                 for b in blocks {
                     prev = vllm_sha256_cbor(&prev, b);
                     let h = vllm_event_hash(&prev);
-                    out.push((BlockHash::U64(h), h));
+                    let wire = if self.bytes_hashes { BlockHash::Bytes(prev.to_vec()) } else { BlockHash::U64(h) };
+                    out.push((wire, h));
                 }
             }
             Engine::Sglang => {
@@ -140,7 +188,7 @@ impl CacheSim {
         }
     }
 
-    fn evict_one(&mut self, protected: &BTreeSet<u64>) -> Option<u64> {
+    fn evict_one(&mut self, protected: &BTreeSet<u64>) -> Option<(u64, BlockHash)> {
         let victim = self.leaves.iter().find(|(_, h)| !protected.contains(h)).copied()?;
         self.leaves.remove(&victim);
         let (_, h) = victim;
@@ -153,7 +201,35 @@ impl CacheSim {
                 }
             }
         }
-        Some(h)
+        Some((h, node.wire))
+    }
+
+    /// Write evicted GPU blocks to the host tier; returns (stored there, evicted from it).
+    fn offload(&mut self, evicted: &[(u64, BlockHash)]) -> (Vec<BlockHash>, Vec<BlockHash>) {
+        let Some(host) = &mut self.host else {
+            return (vec![], vec![]);
+        };
+        let (mut stored, mut dropped) = (Vec::new(), Vec::new());
+        for (h, wire) in evicted {
+            self.tick += 1;
+            if let Some((t, _)) = host.members.get(h).cloned() {
+                host.lru.remove(&(t, *h));
+                host.lru.insert((self.tick, *h));
+                host.members.insert(*h, (self.tick, wire.clone()));
+                continue;
+            }
+            while host.members.len() >= host.capacity {
+                let Some(&(t, old)) = host.lru.iter().next() else { break };
+                host.lru.remove(&(t, old));
+                if let Some((_, w)) = host.members.remove(&old) {
+                    dropped.push(w);
+                }
+            }
+            host.members.insert(*h, (self.tick, wire.clone()));
+            host.lru.insert((self.tick, *h));
+            stored.push(wire.clone());
+        }
+        (stored, dropped)
     }
 
     /// Serve one request: reuse its cached prefix, evict what is needed, store the rest.
@@ -176,7 +252,7 @@ impl CacheSim {
         let n_new = n_new.min(self.capacity - self.nodes.len());
         let new = &chain[matched..matched + n_new];
         let mut parent = if matched > 0 { Some(chain[matched - 1].1) } else { None };
-        for (_, h) in new {
+        for (w, h) in new {
             self.tick += 1;
             if let Some(p) = parent {
                 if let Some(pn) = self.nodes.get_mut(&p) {
@@ -186,39 +262,56 @@ impl CacheSim {
                     pn.children += 1;
                 }
             }
-            self.nodes.insert(*h, Node { parent, children: 0, last_used: self.tick });
+            self.nodes.insert(*h, Node { parent, children: 0, last_used: self.tick, wire: w.clone() });
             self.leaves.insert((self.tick, *h));
             parent = Some(*h);
         }
 
+        let (offloaded, host_dropped) = self.offload(&evicted);
         let mut events = Vec::new();
         let (medium, group, kind) = match self.engine {
             Engine::Vllm => (Some("GPU".to_string()), Some(0), Some("full_attention".to_string())),
             Engine::Sglang => (Some("GPU".to_string()), None, None),
         };
-        let as_wire = |h: u64| match self.engine {
-            Engine::Vllm => BlockHash::U64(h),
-            Engine::Sglang => BlockHash::I64(h as i64),
-        };
-        if !evicted.is_empty() {
-            match self.engine {
-                // vLLM: one BlockRemoved per evicted block.
-                Engine::Vllm => events.extend(evicted.iter().map(|&h| {
+        let evicted: Vec<BlockHash> = evicted.into_iter().map(|(_, w)| w).collect();
+        let host_medium = Some(self.host_medium().to_string());
+        match self.engine {
+            // vLLM: one BlockRemoved per evicted block.
+            Engine::Vllm => {
+                events.extend(evicted.iter().map(|w| {
                     EngineEvent::Removed(Removed {
-                        hashes: vec![as_wire(h)],
+                        hashes: vec![w.clone()],
                         medium: medium.clone(),
                         group_idx: group,
                         ..Default::default()
                     })
-                })),
-                // SGLang: consecutive removals merged into one event.
-                Engine::Sglang => events.push(EngineEvent::Removed(Removed {
-                    hashes: evicted.iter().map(|&h| as_wire(h)).collect(),
-                    medium: medium.clone(),
-                    group_idx: None,
-                    ..Default::default()
-                })),
+                }));
+                events.extend(host_dropped.iter().map(|w| {
+                    EngineEvent::Removed(Removed {
+                        hashes: vec![w.clone()],
+                        medium: host_medium.clone(),
+                        ..Default::default()
+                    })
+                }));
             }
+            // SGLang: consecutive removals merged into one event per tier.
+            Engine::Sglang => {
+                for (hashes, m) in [(evicted, &medium), (host_dropped, &host_medium)] {
+                    if !hashes.is_empty() {
+                        events.push(EngineEvent::Removed(Removed { hashes, medium: m.clone(), ..Default::default() }));
+                    }
+                }
+            }
+        }
+        if !offloaded.is_empty() {
+            // The offloading connector's placeholder store: no tokens, no parent.
+            events.push(EngineEvent::Stored(Stored {
+                hashes: offloaded,
+                token_ids: TokenIds::Single(vec![]),
+                block_size: self.block_size,
+                medium: host_medium,
+                ..Default::default()
+            }));
         }
         if !new.is_empty() {
             let tokens: Vec<u64> = blocks[matched..matched + n_new].iter().flatten().copied().collect();

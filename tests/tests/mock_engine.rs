@@ -430,3 +430,66 @@ fn every_random_request_publishes_exactly_one_batch() {
     engine.flush().unwrap();
     assert_eq!(engine.stats(0).unwrap().next_seq, 100);
 }
+
+#[test]
+fn inproc_ranks_use_the_dp_suffix_in_a_shared_context() {
+    let ctx = zmq::Context::new();
+    let mut cfg = EngineConfig::new(vllm());
+    cfg.dp_size = 2;
+    cfg.endpoint = "inproc://mock-kv".into();
+    cfg.replay_endpoint = Some("inproc://mock-kv-replay".into());
+    let engine = MockEngine::start_in(cfg, ctx.clone()).unwrap();
+    let eps = engine.endpoints();
+    assert_eq!(eps[0].publisher, "inproc://mock-kv");
+    assert_eq!(eps[1].publisher, "inproc://mock-kv_dp1");
+    assert_eq!(eps[1].replay.as_deref(), Some("inproc://mock-kv-replay_dp1"));
+    let sub = Sub::connect(&ctx, "inproc://mock-kv_dp1").unwrap();
+    sync_sub(&engine, 1, &sub);
+    engine.publish(1, vec![store(5)]).unwrap();
+    let m = sub.recv(T).expect("message");
+    assert_eq!(decode_batch(m.payload().unwrap()).unwrap().dp_rank, Some(1));
+    let a = replay(&ctx, "inproc://mock-kv-replay_dp1", 0, T).unwrap();
+    assert_eq!(a.batches.len(), 1);
+}
+
+#[test]
+fn host_tier_and_bytes_hashes_keep_the_truth_equal_to_each_tier() {
+    for (wire, bytes) in [(vllm(), true), (sglang(), false)] {
+        let engine = engine_with(wire, 1, |c| {
+            c.cache_blocks = 16;
+            c.block_size = 4;
+            c.host_tier_blocks = 12;
+            c.bytes_hashes = bytes;
+        });
+        let mut src = RandomSource::new(21, 4, 8);
+        for _ in 0..200 {
+            engine.serve_request(0, &src.next_request().unwrap(), false).unwrap();
+        }
+        engine.flush().unwrap();
+        let truth = engine.truth();
+        assert_eq!(truth, walk_records(&engine), "{wire}");
+        let (gpu_group, host_medium) = match wire.engine {
+            Engine::Vllm => (Some(0), "CPU"),
+            Engine::Sglang => (None, "CPU_PINNED"),
+        };
+        let set = |k: TruthKey| -> std::collections::BTreeSet<u64> {
+            truth.blocks.get(&k).map(|m| m.keys().copied().collect()).unwrap_or_default()
+        };
+        assert_eq!(set(TruthKey::new(0, Some("GPU"), gpu_group)), engine.cache_hashes(0).unwrap());
+        let host = set(TruthKey::new(0, Some(host_medium), None));
+        assert_eq!(host, engine.host_hashes(0).unwrap());
+        assert_eq!(host.len(), 12, "{wire}: the host tier fills up");
+        if bytes {
+            let first = &engine.records(0).unwrap()[0].payload;
+            let v = rmpv::decode::read_value(&mut first.as_slice()).unwrap();
+            let hashes = v[1][0]
+                .as_map()
+                .unwrap()
+                .iter()
+                .find(|(k, _)| k.as_str() == Some("block_hashes"))
+                .map(|(_, v)| v.clone())
+                .unwrap();
+            assert!(matches!(&hashes[0], rmpv::Value::Binary(b) if b.len() == 32));
+        }
+    }
+}

@@ -77,6 +77,12 @@ struct Args {
     /// Prefix-cache capacity per rank, in blocks.
     #[arg(long, default_value_t = 1024)]
     cache_blocks: usize,
+    /// Offload GPU evictions to a host tier of this many blocks per rank (CPU / CPU_PINNED).
+    #[arg(long, default_value_t = 0)]
+    host_tier_blocks: usize,
+    /// vLLM: publish hashes as raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
+    #[arg(long)]
+    bytes_hashes: bool,
     /// Per request, the chance that the rank's cache is reset first (AllBlocksCleared).
     #[arg(long, default_value_t = 0.0)]
     clear_probability: f64,
@@ -136,6 +142,8 @@ fn build(args: &Args) -> anyhow::Result<(EngineConfig, Traffic)> {
     cfg.model_name = args.model_name.clone();
     cfg.block_size = args.block_size.max(1);
     cfg.cache_blocks = args.cache_blocks.max(1);
+    cfg.host_tier_blocks = args.host_tier_blocks;
+    cfg.bytes_hashes = args.bytes_hashes;
     let traffic = if let Some(path) = &args.play {
         let lines = read_capture(path)?;
         cfg.dp_size = cfg.dp_size.max(ranks_needed(&lines));
