@@ -320,14 +320,20 @@ impl Worker {
         Ok(())
     }
 
+    /// The publisher instance goes away: sockets, seq, buffer and batches held by a delay
+    /// (the engine process that queued them is gone). Armed `drop`/`lose` faults stay armed:
+    /// they are about the wire, not the instance.
     fn close(&mut self) {
         self.sockets = None;
         self.seq = 0;
         self.buffer.clear();
-        self.pending.clear();
+        for cmd in self.pending.drain(..) {
+            // Whoever waits on a held Sync is answered, not left with a dropped channel.
+            if let Cmd::Sync(ack) = cmd {
+                let _ = ack.send(Ok(()));
+            }
+        }
         self.hold_until = None;
-        self.drop_wire = 0;
-        self.lose = 0;
     }
 
     fn publish_stats(&mut self) {

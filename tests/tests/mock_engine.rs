@@ -493,3 +493,26 @@ fn host_tier_and_bytes_hashes_keep_the_truth_equal_to_each_tier() {
         }
     }
 }
+
+#[test]
+fn restart_answers_a_flush_held_by_a_delay_and_keeps_armed_drops() {
+    let engine = std::sync::Arc::new(engine_with(vllm(), 1, |_| {}));
+    engine.delay(0, Duration::from_secs(5)).unwrap();
+    engine.publish(0, vec![store(1)]).unwrap();
+    let e2 = engine.clone();
+    let start = Instant::now();
+    let flusher = std::thread::spawn(move || e2.flush());
+    // The flush waits behind the held batch until the restart drops it.
+    std::thread::sleep(Duration::from_millis(50));
+    engine.drop_on_wire(0, 1).unwrap();
+    engine.restart(0).unwrap();
+    flusher.join().unwrap().unwrap();
+    assert!(start.elapsed() < Duration::from_secs(4));
+    let ctx = zmq::Context::new();
+    let sub = sub_for(&engine, &ctx, 0);
+    engine.publish(0, vec![store(2)]).unwrap();
+    engine.publish(0, vec![store(3)]).unwrap();
+    // seq 0 was dropped on the wire by the drop armed before the restart.
+    assert_eq!(seqs(&sub.collect(1, T)), vec![1]);
+    assert_eq!(engine.truth().copies(), 2);
+}
