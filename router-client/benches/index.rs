@@ -2,7 +2,8 @@
 //! for the naive reference measured in the same run (printed as ratios).
 //!
 //! Run: `cargo bench -p kv-router-client --bench index` (release). Optional arguments:
-//! `--blocks N` (default 1,000,000) and `--lookups N` (default 20,000).
+//! `--blocks N` (default 1,000,000), `--lookups N` (default 20,000), and `--index-only` (for
+//! profiling the index alone).
 //!
 //! Peers implement [`Peer`]. The reference is a `BTreeMap` behind a mutex. NVIDIA Dynamo's
 //! radix tree (`dynamo-kv-router`) goes in as another `Peer` behind a cargo feature: see the
@@ -253,7 +254,12 @@ fn main() {
         load.iter().map(|r| r.1.len()).sum::<usize>(),
         churn.len()
     );
-    let rows: Vec<Row> = peers().into_iter().map(|p| measure(p, &load, &churn, lookups)).collect();
+    let only_index = std::env::args().any(|a| a == "--index-only");
+    let rows: Vec<Row> = peers()
+        .into_iter()
+        .filter(|p| !only_index || p.name() == "index")
+        .map(|p| measure(p, &load, &churn, lookups))
+        .collect();
     println!(
         "{:<10} {:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
         "peer", "B/block", "store/s", "churn/s 1t", "churn/s 2t", "p50", "p99", "p50 busy", "p99 busy"

@@ -17,6 +17,25 @@
 //! are omitted, as are tiers with a run of 0. After any sequence of operations every lookup
 //! equals [`reference::ReferenceIndex::lookup`] exactly.
 //!
+//! ```
+//! use kv_router_client::index::{PrefixIndex, StagedSnapshot, TierId};
+//!
+//! let index = PrefixIndex::default();
+//! let w = index.worker("http://relay-a:50051", 0)?;
+//! index.store(w, TierId::DEVICE, &[11, 12, 13]);
+//! index.store(w, TierId::HOST, &[11]);
+//! let found = index.lookup(&[11, 12, 99]);
+//! let m = found.get(w).unwrap();
+//! assert_eq!((m.blocks, m.tier(TierId::DEVICE), m.tier(TierId::HOST)), (2, 2, 1));
+//!
+//! // A resync: the worker's whole state, swapped in atomically.
+//! let mut snapshot = StagedSnapshot::new();
+//! snapshot.extend_blocks(TierId::DISK, &[11, 12, 99]);
+//! index.replace_worker(w, &snapshot);
+//! assert_eq!(index.lookup(&[11, 12, 99]).get(w).unwrap().tier(TierId::DISK), 3);
+//! # Ok::<(), kv_router_client::index::IndexError>(())
+//! ```
+//!
 //! # Design
 //!
 //! **Storage.** The index is `S` shards (by hash) of an open-addressing multimap
@@ -30,8 +49,11 @@
 //! **Lock-free lookups.** Lookups take no lock. All slot words are atomics; a writer publishes
 //! a new slot's key and value before its control byte (`Release`), never changes a published
 //! slot's key (a tombstoned slot is reused only for the same hash), and replaces a full table
-//! by building a new one and publishing it through an [`arc_swap::ArcSwap`]. A lookup
-//! therefore sees each slot before or after any single write, never a torn one.
+//! by building a new one and publishing the shards' table set through an
+//! [`arc_swap::ArcSwap`] (one load per lookup). A lookup therefore sees each slot before or
+//! after any single write, never a torn one. A lookup is memory-bound (a random cache line or
+//! two per block), so it first touches the home groups of the next 8 blocks, then reads them:
+//! their cache misses overlap instead of queueing.
 //!
 //! **Atomic snapshot replace.** Each worker has a one-bit generation tag; entries carry the tag
 //! they were written with, and a lookup only counts a worker's entries whose tag is the one it
@@ -122,12 +144,13 @@ pub struct IndexStats {
     pub replaces: u64,
 }
 
+/// One shard's writer lock, alone on its cache line so writers of different shards do not
+/// contend. Lookups never take it.
 #[repr(align(64))]
-struct Shard {
-    table: ArcSwap<Table>,
-    /// Serialises this shard's writers. Lookups never take it.
-    write: Mutex<()>,
-}
+struct ShardLock(Mutex<()>);
+
+/// The shards' tables, published together so a lookup loads them with one `ArcSwap` load.
+type Tables = Box<[Arc<Table>]>;
 
 /// Per-worker generation words: `swap_seq << 1 | tag`. Chunked (chunk `k` covers
 /// `1024 << k` workers) so that readers index it without a lock while writers add chunks.
@@ -162,7 +185,11 @@ const WORKER_STRIPES: usize = 64;
 
 /// The concurrent prefix index. See the [module docs](self) for semantics and design.
 pub struct PrefixIndex {
-    shards: Box<[Shard]>,
+    tables: ArcSwap<Tables>,
+    /// Serialises publishing a rebuilt table into `tables` (writers of different shards may
+    /// rebuild at once).
+    publish: Mutex<()>,
+    shard_locks: Box<[ShardLock]>,
     shard_mask: usize,
     gens: Generations,
     /// Number of completed tag flips; stamped into the flipped worker's generation word.
@@ -188,7 +215,7 @@ impl Default for PrefixIndex {
 impl std::fmt::Debug for PrefixIndex {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PrefixIndex")
-            .field("shards", &self.shards.len())
+            .field("shards", &self.shard_locks.len())
             .field("stats", &self.stats())
             .finish_non_exhaustive()
     }
@@ -209,11 +236,16 @@ struct Candidate {
 
 #[derive(Default)]
 struct Scratch {
-    first: Vec<u64>,
+    /// Holders of the blocks of the current window; block `k`'s end at `ends[k]`.
+    holders: Vec<u64>,
+    ends: [usize; WINDOW],
     candidates: Vec<Candidate>,
     /// `(candidate, tier, run)` as runs end.
     runs: Vec<(u32, u8, u32)>,
 }
+
+/// Blocks whose first cache lines a lookup loads before using any (see `Table::touch`).
+const WINDOW: usize = 8;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -229,9 +261,9 @@ impl PrefixIndex {
         let n = config.shards.max(1).next_power_of_two();
         let per_shard = config.initial_capacity / n;
         Self {
-            shards: (0..n)
-                .map(|_| Shard { table: ArcSwap::from_pointee(Table::for_entries(per_shard)), write: Mutex::new(()) })
-                .collect(),
+            tables: ArcSwap::from_pointee((0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect()),
+            publish: Mutex::new(()),
+            shard_locks: (0..n).map(|_| ShardLock(Mutex::new(()))).collect(),
             shard_mask: n - 1,
             gens: Generations { chunks: [const { OnceLock::new() }; 14] },
             swap_seq: AtomicU64::new(0),
@@ -266,8 +298,26 @@ impl PrefixIndex {
         self.tiers.intern(name)
     }
 
-    fn shard(&self, p: &Probe) -> &Shard {
-        &self.shards[p.shard(self.shard_mask)]
+    /// Replaces shard `s`'s table. Caller holds shard `s`'s lock.
+    fn publish(&self, s: usize, table: Table) {
+        let _p = lock(&self.publish);
+        let mut next: Vec<Arc<Table>> = self.tables.load().iter().cloned().collect();
+        next[s] = Arc::new(table);
+        self.tables.store(Arc::new(next.into_boxed_slice()));
+    }
+
+    /// Issues the first loads of several probes, so that their cache misses overlap.
+    fn touch(tables: &Tables, mask: usize, probes: &[Probe]) {
+        let mut sink = 0;
+        for p in probes {
+            sink ^= tables[p.shard(mask)].touch(p);
+        }
+        std::hint::black_box(sink);
+    }
+
+    /// Probes for up to [`WINDOW`] hashes.
+    fn probes(hashes: &[u64]) -> [Probe; WINDOW] {
+        std::array::from_fn(|j| Probe::new(hashes.get(j).copied().unwrap_or(0)))
     }
 
     fn worker_lock(&self, worker: WorkerId) -> &RwLock<()> {
@@ -276,9 +326,10 @@ impl PrefixIndex {
 
     /// Adds copies under the shard's lock, rebuilding the shard's table when it is full.
     fn add(&self, p: &Probe, holder: u64, copies: u32) {
-        let shard = self.shard(p);
-        let _w = lock(&shard.write);
-        let table = shard.table.load_full();
+        let s = p.shard(self.shard_mask);
+        let _w = lock(&self.shard_locks[s].0);
+        let tables = self.tables.load();
+        let table = &tables[s];
         let added = match table.add(p, holder, copies) {
             Added::Done { saturated } => saturated,
             Added::Full => {
@@ -286,7 +337,7 @@ impl PrefixIndex {
                 let Added::Done { saturated } = bigger.add(p, holder, copies) else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
                 };
-                shard.table.store(Arc::new(bigger));
+                self.publish(s, bigger);
                 saturated
             }
         };
@@ -297,11 +348,11 @@ impl PrefixIndex {
 
     /// Tombstones the entries matching `drop` in every shard, compacting shards left sparse.
     fn remove_where(&self, drop: impl Fn(u64) -> bool) {
-        for shard in self.shards.iter() {
-            let _w = lock(&shard.write);
-            let table = shard.table.load_full();
+        for (s, shard_lock) in self.shard_locks.iter().enumerate() {
+            let _w = lock(&shard_lock.0);
+            let table = self.tables.load()[s].clone();
             if table.remove_where(&drop) > 0 && table.wants_compaction() {
-                shard.table.store(Arc::new(table.rebuilt(0)));
+                self.publish(s, table.rebuilt(0));
             }
         }
     }
@@ -311,8 +362,13 @@ impl PrefixIndex {
         let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
-        for &h in hashes {
-            self.add(&Probe::new(h), holder, 1);
+        for chunk in hashes.chunks(WINDOW) {
+            let probes = Self::probes(chunk);
+            let probes = &probes[..chunk.len()];
+            Self::touch(&self.tables.load(), self.shard_mask, probes);
+            for p in probes {
+                self.add(p, holder, 1);
+            }
         }
     }
 
@@ -323,14 +379,18 @@ impl PrefixIndex {
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut out = RemoveOutcome::default();
-        for &h in hashes {
-            let p = Probe::new(h);
-            let shard = self.shard(&p);
-            let _s = lock(&shard.write);
-            if shard.table.load().sub(&p, holder) {
-                out.removed += 1;
-            } else {
-                out.missing += 1;
+        for chunk in hashes.chunks(WINDOW) {
+            let probes = Self::probes(chunk);
+            let probes = &probes[..chunk.len()];
+            Self::touch(&self.tables.load(), self.shard_mask, probes);
+            for p in probes {
+                let s = p.shard(self.shard_mask);
+                let _s = lock(&self.shard_locks[s].0);
+                if self.tables.load()[s].sub(p, holder) {
+                    out.removed += 1;
+                } else {
+                    out.missing += 1;
+                }
             }
         }
         self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
@@ -396,18 +456,40 @@ impl PrefixIndex {
     /// [`lookup`](Self::lookup) into a reused result.
     pub fn lookup_into(&self, hashes: &[u64], out: &mut LookupResult) {
         out.clear();
-        let Some(&h0) = hashes.first() else {
+        if hashes.is_empty() {
             return;
-        };
+        }
         let _reading = self.grace.read();
+        // Read before any slot: decides which side of each concurrent replace this lookup is on.
         let seq0 = self.swap_seq.load(Ordering::SeqCst);
+        let tables = self.tables.load();
         SCRATCH.with(|s| {
             let s = &mut *s.borrow_mut();
-            self.first_block(h0, seq0, s);
-            if !s.candidates.is_empty() {
-                self.follow(hashes, s);
-                Self::emit(hashes.len() as u32, s, out);
+            s.candidates.clear();
+            s.runs.clear();
+            // Block 0 alone (it decides the candidates), then windows of WINDOW blocks whose
+            // cache misses overlap.
+            self.gather(&tables, &hashes[..1], s);
+            self.first_block(seq0, s);
+            if s.candidates.is_empty() {
+                return;
             }
+            let mut i = 1;
+            while i < hashes.len() {
+                let window = &hashes[i..hashes.len().min(i + WINDOW)];
+                self.gather(&tables, window, s);
+                let mut from = 0;
+                for k in 0..window.len() {
+                    let to = s.ends[k];
+                    if !Self::step(i + k, &s.holders[from..to], &mut s.candidates, &mut s.runs) {
+                        Self::emit(hashes.len() as u32, s, out);
+                        return;
+                    }
+                    from = to;
+                }
+                i += window.len();
+            }
+            Self::emit(hashes.len() as u32, s, out);
         });
     }
 
@@ -426,18 +508,25 @@ impl PrefixIndex {
         }
     }
 
-    fn for_each_holder(&self, h: u64, f: impl FnMut(u64)) {
-        let p = Probe::new(h);
-        self.shard(&p).table.load().for_each(&p, f);
+    /// Collects the holders of each block of `window` (at most [`WINDOW`]) into
+    /// `s.holders`, block `k`'s ending at `s.ends[k]`.
+    fn gather(&self, tables: &Tables, window: &[u64], s: &mut Scratch) {
+        let probes = Self::probes(window);
+        let probes = &probes[..window.len()];
+        if probes.len() > 1 {
+            Self::touch(tables, self.shard_mask, probes);
+        }
+        s.holders.clear();
+        for (k, p) in probes.iter().enumerate() {
+            let holders = &mut s.holders;
+            tables[p.shard(self.shard_mask)].for_each(p, |v| holders.push(v));
+            s.ends[k] = s.holders.len();
+        }
     }
 
-    /// Candidates: workers holding `h0` under their visible tag, sorted by worker.
-    fn first_block(&self, h0: u64, seq0: u64, s: &mut Scratch) {
-        s.first.clear();
-        s.candidates.clear();
-        s.runs.clear();
-        let first = &mut s.first;
-        self.for_each_holder(h0, |v| first.push(v));
+    /// Candidates: workers holding block 0 (`s.holders`) under their visible tag, by worker.
+    fn first_block(&self, seq0: u64, s: &mut Scratch) {
+        let first = &mut s.holders;
         first.sort_unstable();
         let mut i = 0;
         while i < first.len() {
@@ -456,48 +545,43 @@ impl PrefixIndex {
         }
     }
 
-    /// Walks blocks 1.. until no candidate's run goes on.
-    fn follow(&self, hashes: &[u64], s: &mut Scratch) {
-        let Scratch { candidates, runs, .. } = s;
-        for (i, &h) in hashes.iter().enumerate().skip(1) {
-            for c in candidates.iter_mut() {
-                c.seen = 0;
-            }
-            self.for_each_holder(h, |v| {
-                let worker = table::worker_of(v);
-                let found = if candidates.len() <= 8 {
-                    candidates.iter().position(|c| c.worker == worker)
-                } else {
-                    candidates.binary_search_by_key(&worker, |c| c.worker).ok()
-                };
-                if let Some(c) = found.map(|k| &mut candidates[k]) {
-                    if !c.done && table::tag_of(v) == c.tag {
-                        c.seen |= 1 << (table::tier_of(v) & 63);
-                    }
+    /// Applies block `i`'s holders to the candidates; false once no candidate's run goes on.
+    fn step(i: usize, holders: &[u64], candidates: &mut [Candidate], runs: &mut Vec<(u32, u8, u32)>) -> bool {
+        for c in candidates.iter_mut() {
+            c.seen = 0;
+        }
+        for &v in holders {
+            let worker = table::worker_of(v);
+            let found = if candidates.len() <= 8 {
+                candidates.iter().position(|c| c.worker == worker)
+            } else {
+                candidates.binary_search_by_key(&worker, |c| c.worker).ok()
+            };
+            if let Some(c) = found.map(|k| &mut candidates[k]) {
+                if !c.done && table::tag_of(v) == c.tag {
+                    c.seen |= 1 << (table::tier_of(v) & 63);
                 }
-            });
-            let mut going = false;
-            for (k, c) in candidates.iter_mut().enumerate() {
-                if c.done {
-                    continue;
-                }
-                let mut ended = c.alive & !c.seen;
-                while ended != 0 {
-                    runs.push((k as u32, ended.trailing_zeros() as u8, i as u32));
-                    ended &= ended - 1;
-                }
-                c.alive &= c.seen;
-                if c.seen == 0 {
-                    c.done = true;
-                    c.blocks = i as u32;
-                } else {
-                    going = true;
-                }
-            }
-            if !going {
-                return;
             }
         }
+        let mut going = false;
+        for (k, c) in candidates.iter_mut().enumerate() {
+            if c.done {
+                continue;
+            }
+            let mut ended = c.alive & !c.seen;
+            while ended != 0 {
+                runs.push((k as u32, ended.trailing_zeros() as u8, i as u32));
+                ended &= ended - 1;
+            }
+            c.alive &= c.seen;
+            if c.seen == 0 {
+                c.done = true;
+                c.blocks = i as u32;
+            } else {
+                going = true;
+            }
+        }
+        going
     }
 
     fn emit(len: u32, s: &mut Scratch, out: &mut LookupResult) {
@@ -538,8 +622,7 @@ impl PrefixIndex {
             replaces: self.replaces.load(Ordering::Relaxed),
             ..IndexStats::default()
         };
-        for shard in self.shards.iter() {
-            let t = shard.table.load();
+        for t in self.tables.load().iter() {
             stats.blocks += t.live();
             stats.tombstones += t.tombs();
             stats.slots += t.capacity();
@@ -550,7 +633,13 @@ impl PrefixIndex {
     /// An estimate of the heap and inline bytes the index holds (tables, generation words,
     /// locks), not counting interned names. Transient copies during a rebuild are not counted.
     pub fn memory_bytes(&self) -> usize {
-        let shards: usize = self.shards.iter().map(|s| std::mem::size_of::<Shard>() + s.table.load().bytes()).sum();
+        // Per shard: its lock, its `Arc` (pointer and counts) and its table.
+        let shards: usize = self
+            .tables
+            .load()
+            .iter()
+            .map(|t| std::mem::size_of::<ShardLock>() + std::mem::size_of::<Arc<Table>>() + 16 + t.bytes())
+            .sum();
         std::mem::size_of::<Self>() + shards + self.gens.bytes() + WORKER_STRIPES * std::mem::size_of::<RwLock<()>>()
     }
 }

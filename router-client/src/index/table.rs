@@ -159,6 +159,17 @@ impl Table {
         self.capacity() - self.capacity() / 8
     }
 
+    /// Loads the cache lines a probe for `p` will read first (its home group's control word
+    /// and slots), so that callers can issue the loads of several probes before using any:
+    /// their cache misses then overlap. Returns a value to feed to `black_box`.
+    #[inline]
+    pub fn touch(&self, p: &Probe) -> u64 {
+        let g = p.home(self.ctrl.len());
+        self.ctrl[g].load(Ordering::Relaxed)
+            ^ self.slots[g * GROUP].val.load(Ordering::Relaxed)
+            ^ self.slots[g * GROUP + GROUP / 2].val.load(Ordering::Relaxed)
+    }
+
     /// Calls `f` with every live packed value stored under `p.hash`. Lock-free; may be called
     /// while a writer modifies the table (it then sees each slot either before or after).
     #[inline]
