@@ -66,6 +66,8 @@ pub struct EngineConfig {
     pub host_tier_blocks: usize,
     /// vLLM: publish hashes as raw 32-byte digests (`VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0`).
     pub bytes_hashes: bool,
+    /// SGLang: EAGLE bigram pages in generated traffic.
+    pub eagle: bool,
 }
 
 impl EngineConfig {
@@ -86,6 +88,7 @@ impl EngineConfig {
             cache_blocks: 1024,
             host_tier_blocks: 0,
             bytes_hashes: false,
+            eagle: false,
         }
     }
 }
@@ -201,7 +204,8 @@ impl MockEngine {
                     epoch: 0,
                     cache: CacheSim::new(cfg.wire.engine, cfg.block_size, cfg.cache_blocks)
                         .with_bytes_hashes(cfg.bytes_hashes)
-                        .with_host_tier(cfg.host_tier_blocks),
+                        .with_host_tier(cfg.host_tier_blocks)
+                        .with_eagle(cfg.eagle),
                 }),
             });
         }

@@ -71,6 +71,8 @@ pub struct CacheSim {
     bytes_hashes: bool,
     /// Optional host tier that GPU evictions are offloaded to.
     host: Option<HostTier>,
+    /// SGLang with EAGLE: radix keys are bigrams, pages hold `block_size` pairs.
+    eagle: bool,
 }
 
 /// A host (CPU) tier: blocks evicted from the GPU are written here (vLLM's offloading
@@ -94,7 +96,23 @@ impl CacheSim {
             tick: 0,
             bytes_hashes: false,
             host: None,
+            eagle: false,
         }
+    }
+
+    /// SGLang EAGLE bigram pages (`token_ids` as `[a, b]` pairs, hashes over both elements).
+    pub fn with_eagle(mut self, on: bool) -> Self {
+        self.eagle = on && self.engine == Engine::Sglang;
+        self
+    }
+
+    /// EAGLE: a request's tokens as full pages of bigrams, each page flattened
+    /// `[a0, b0, a1, b1, ...]` (adjacent pages share the boundary token; a partial last page
+    /// is not cached).
+    fn bigram_pages(&self, blocks: &[Vec<u64>]) -> Vec<Vec<u64>> {
+        let tokens: Vec<u64> = blocks.iter().flatten().copied().collect();
+        let pairs: Vec<[u64; 2]> = tokens.windows(2).map(|w| [w[0], w[1]]).collect();
+        pairs.chunks_exact(self.block_size as usize).map(|page| page.iter().flatten().copied().collect()).collect()
     }
 
     /// Publish raw digests instead of ints (vLLM only; SGLang always publishes ints).
@@ -235,6 +253,13 @@ impl CacheSim {
     /// Serve one request: reuse its cached prefix, evict what is needed, store the rest.
     /// Returns the events of that scheduler step, in the engine's order (removals first).
     pub fn serve(&mut self, blocks: &[Vec<u64>]) -> Vec<EngineEvent> {
+        let paged;
+        let blocks = if self.eagle {
+            paged = self.bigram_pages(blocks);
+            &paged[..]
+        } else {
+            blocks
+        };
         let chain = self.chain(blocks);
         let matched = chain.iter().take_while(|(_, h)| self.nodes.contains_key(h)).count();
         for (_, h) in &chain[..matched] {
@@ -318,7 +343,11 @@ impl CacheSim {
             events.push(EngineEvent::Stored(Stored {
                 hashes: new.iter().map(|(w, _)| w.clone()).collect(),
                 parent: if matched > 0 { Some(chain[matched - 1].0.clone()) } else { None },
-                token_ids: TokenIds::Single(tokens),
+                token_ids: if self.eagle {
+                    TokenIds::Pairs(tokens.chunks_exact(2).map(|p| [p[0], p[1]]).collect())
+                } else {
+                    TokenIds::Single(tokens)
+                },
                 block_size: self.block_size,
                 medium,
                 group_idx: group,
@@ -455,6 +484,17 @@ mod tests {
         assert_eq!(s.hashes.len(), 1);
         assert_eq!(s.parent.as_ref().map(BlockHash::as_u64), Some(c.chain(&a)[1].1));
         assert_eq!(c.len(), 3);
+    }
+
+    #[test]
+    fn eagle_pages_are_bigrams_hashed_over_both_elements() {
+        // Spec vector: bigram page (1,2)...(16,17) -> -7316793502406646264.
+        let mut c = CacheSim::new(Engine::Sglang, 16, 10).with_eagle(true);
+        let ev = c.serve(&[(1..=17).collect()]);
+        let EngineEvent::Stored(s) = &ev[0] else { panic!("store expected") };
+        assert_eq!(s.hashes, vec![BlockHash::I64(-7316793502406646264)]);
+        let TokenIds::Pairs(p) = &s.token_ids else { panic!("pairs expected") };
+        assert_eq!((p.len(), p[0], p[15]), (16, [1, 2], [16, 17]));
     }
 
     #[test]

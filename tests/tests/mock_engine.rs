@@ -453,13 +453,14 @@ fn inproc_ranks_use_the_dp_suffix_in_a_shared_context() {
 }
 
 #[test]
-fn host_tier_and_bytes_hashes_keep_the_truth_equal_to_each_tier() {
-    for (wire, bytes) in [(vllm(), true), (sglang(), false)] {
+fn host_tier_bytes_hashes_and_eagle_pages_keep_the_truth_equal_to_each_tier() {
+    for (wire, bytes, eagle) in [(vllm(), true, false), (sglang(), false, false), (sglang(), false, true)] {
         let engine = engine_with(wire, 1, |c| {
             c.cache_blocks = 16;
             c.block_size = 4;
             c.host_tier_blocks = 12;
             c.bytes_hashes = bytes;
+            c.eagle = eagle;
         });
         let mut src = RandomSource::new(21, 4, 8);
         for _ in 0..200 {

@@ -83,6 +83,9 @@ struct Args {
     /// vLLM: publish hashes as raw digests (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0).
     #[arg(long)]
     bytes_hashes: bool,
+    /// SGLang: EAGLE bigram pages (token_ids as [a, b] pairs).
+    #[arg(long)]
+    eagle: bool,
     /// Per request, the chance that the rank's cache is reset first (AllBlocksCleared).
     #[arg(long, default_value_t = 0.0)]
     clear_probability: f64,
@@ -144,6 +147,7 @@ fn build(args: &Args) -> anyhow::Result<(EngineConfig, Traffic)> {
     cfg.cache_blocks = args.cache_blocks.max(1);
     cfg.host_tier_blocks = args.host_tier_blocks;
     cfg.bytes_hashes = args.bytes_hashes;
+    cfg.eagle = args.eagle;
     let traffic = if let Some(path) = &args.play {
         let lines = read_capture(path)?;
         cfg.dp_size = cfg.dp_size.max(ranks_needed(&lines));
