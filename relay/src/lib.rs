@@ -19,17 +19,26 @@
 //! - [`server`]: the gRPC server (`kv_relay.v1.Relay`, health, reflection): resume streams over
 //!   the store, TLS, token, rate limits.
 //! - [`config`]: the daemon's flags and environment, validated whole before anything starts.
+//! - [`config_file`]: the TOML configuration file, the precedence of flags, environment, file and
+//!   defaults, and the effective configuration `check-config` prints.
+//! - [`daemon`]: `run(config, shutdown)`: ingest → commit → serve, as the binary and tests run it.
+//! - [`ctl`]: `relayctl`'s gRPC client and the renderings of its answers.
+//! - [`notify`]: systemd's notify protocol: `READY=1`, watchdog pings, `STOPPING=1`.
 //! - [`capture`]: capture files (JSON Lines of recorded messages) and decoding them whole.
 //! - [`decode_cmd`]: `relayctl decode`: the table and JSON renderings of a decoded capture.
 
 pub mod capture;
 pub mod config;
+pub mod config_file;
+pub mod ctl;
+pub mod daemon;
 pub mod decode_cmd;
 pub mod drops;
 pub mod ingest;
 pub mod live;
 pub mod model;
 pub mod normalize;
+pub mod notify;
 pub mod server;
 pub mod store;
 pub mod wire;

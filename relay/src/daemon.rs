@@ -1,0 +1,270 @@
+//! The daemon: `run(config, shutdown)` wires ingest → commit → serve, and is what the binary
+//! and the tests call.
+//!
+//! * The ingest's rank threads hand items to the **committer**, a thread of its own that owns the
+//!   store's write side: it attaches the rank's latest load to each batch and commits it. When
+//!   the store fails (disk full, read-only), the committer keeps the item, counts the error,
+//!   and retries with backoff: the bounded queue then backs up onto the engine's sockets, and
+//!   nothing is dropped.
+//! * The **load scraper** polls the engine's `/metrics`.
+//! * **Heartbeats**: every `heartbeat` interval, each rank that has been quiet that long gets a
+//!   heartbeat with its load, live only (not in the history).
+
+use crate::config::Config;
+use crate::ingest::{self, load::Loads, Ingest, IngestItem, Resume};
+use crate::model::{Load, RecordBody};
+use crate::server::status::{notice_channel, Notice, RankState, RelayStatusHandle};
+use crate::server::{self, ServerConfig};
+use crate::store::{HistoryLimits, Store, StoreConfig, StoreError};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{broadcast, mpsc};
+
+/// Why the daemon could not start or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum DaemonError {
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+    #[error("binding the gRPC listener on {0}: {1}")]
+    Listen(std::net::SocketAddr, std::io::Error),
+    #[error("starting the metrics listener on {0}: {1}")]
+    Metrics(std::net::SocketAddr, String),
+    #[error("ingest: {0}")]
+    Endpoint(#[from] ingest::endpoint::EndpointError),
+    #[error("gRPC server: {0}")]
+    Serve(String),
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// What a running daemon exposes to its caller (tests, the demo).
+#[derive(Clone)]
+pub struct Running {
+    pub store: Store,
+    pub status: RelayStatusHandle,
+    pub listen: std::net::SocketAddr,
+}
+
+/// Runs the relay until `shutdown` completes. `on_ready` is called once the store is open and
+/// the listener bound (systemd's READY=1).
+pub async fn run(
+    cfg: Config,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    on_ready: impl FnOnce(Running) + Send,
+) -> Result<(), DaemonError> {
+    let store = Store::open(StoreConfig {
+        limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
+        ..StoreConfig::new(cfg.state_dir.clone())
+    })?;
+    if cfg.ingest.replay_endpoint.is_none() {
+        tracing::warn!(
+            "no replay endpoint configured: batches the relay misses cannot be refilled, and a restarted relay \
+             cannot learn what the engine announced before; set --replay-endpoint"
+        );
+    }
+    if let Some(addr) = cfg.metrics_listen {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .map_err(|e| DaemonError::Metrics(addr, e.to_string()))?;
+    }
+    let listener = tokio::net::TcpListener::bind(cfg.listen).await.map_err(|e| DaemonError::Listen(cfg.listen, e))?;
+    let listen = listener.local_addr().map_err(|e| DaemonError::Listen(cfg.listen, e))?;
+
+    let resume: BTreeMap<u32, Resume> = cfg
+        .ingest
+        .dp_ranks
+        .iter()
+        .filter_map(|&r| {
+            let s = store.rank_state(r)?;
+            Some((r, Resume { last_seq: s.last_seq?, last_ts: s.last_ts? }))
+        })
+        .collect();
+    let (tx, rx) = mpsc::channel::<IngestItem>(cfg.ingest.queue);
+    let ctx = zmq::Context::new();
+    let ingest = Ingest::start(&cfg.ingest, ctx, &resume, tx)?;
+    let status = RelayStatusHandle::new(engine_name(&cfg));
+    status.add_ranks(cfg.ingest.dp_ranks.iter().copied());
+    let loads: Arc<RwLock<Loads>> = Arc::default();
+    let notices = notice_channel();
+
+    let committer = {
+        let (store, loads, status) = (store.clone(), loads.clone(), status.clone());
+        std::thread::Builder::new()
+            .name("committer".into())
+            .spawn(move || commit_loop(rx, store, loads, status))
+            .expect("spawning the committer")
+    };
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let mut tasks = Vec::new();
+    if let Some(url) = cfg.engine_metrics_url.clone() {
+        tasks.push(tokio::spawn(scrape_loop(url, cfg.load_poll, loads.clone(), status.clone(), stop_rx.clone())));
+    }
+    tasks.push(tokio::spawn(heartbeat_loop(
+        cfg.heartbeat,
+        ingest.status.clone(),
+        loads.clone(),
+        notices.clone(),
+        stop_rx.clone(),
+    )));
+    tasks.push(tokio::spawn(status_loop(ingest.status.clone(), status.clone(), stop_rx.clone())));
+
+    on_ready(Running { store: store.clone(), status: status.clone(), listen });
+    let server_cfg = ServerConfig { listen, ..ServerConfig::default() };
+    let served = server::serve(server_cfg, store.clone(), status, notices, listener, shutdown).await;
+
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        let _ = t.await;
+    }
+    // The rank threads stop; then the channel closes and the committer drains what is queued.
+    tokio::task::spawn_blocking(move || ingest.stop()).await.ok();
+    tokio::task::spawn_blocking(move || committer.join()).await.ok();
+    if let Err(e) = store.flush() {
+        tracing::error!(error = %e, "flushing the store at shutdown");
+    }
+    served.map_err(|e| DaemonError::Serve(e.to_string()))
+}
+
+fn engine_name(cfg: &Config) -> String {
+    format!("{} ({} ranks)", cfg.ingest.endpoint, cfg.ingest.dp_ranks.len())
+}
+
+fn commit_loop(mut rx: mpsc::Receiver<IngestItem>, store: Store, loads: Arc<RwLock<Loads>>, status: RelayStatusHandle) {
+    while let Some(item) = rx.blocking_recv() {
+        let mut committed_batch = None;
+        let body = match item {
+            IngestItem::Batch { batch, .. } => {
+                let load = ingest::load::for_rank(&loads.read().expect("loads"), batch.dp_rank);
+                committed_batch = Some((batch.dp_rank, batch.seq, batch.ts));
+                RecordBody::Batch { batch, load }
+            }
+            IngestItem::Control(c) => RecordBody::Control(c),
+        };
+        let started = Instant::now();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match store.commit(body.clone()) {
+                Ok(_) => break,
+                Err(e) => {
+                    status.add("store_errors", 1);
+                    // Keep the item and retry: the queue backs up onto the engine's sockets.
+                    tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+        metrics::histogram!("kv_relay_commit_seconds").record(started.elapsed().as_secs_f64());
+        if let Some((rank, seq, ts)) = committed_batch {
+            let lag_ms = (now_ms() as f64 - ts * 1000.0).max(0.0) as u64;
+            metrics::gauge!("kv_relay_ingest_lag_seconds", "rank" => rank.to_string()).set(lag_ms as f64 / 1000.0);
+            status.batch_committed(rank, seq, lag_ms);
+        }
+    }
+}
+
+/// Copies the rank threads' view into the status the server reads, every 250 ms.
+async fn status_loop(
+    ranks: BTreeMap<u32, ingest::SharedRankStatus>,
+    status: RelayStatusHandle,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        for (&rank, st) in &ranks {
+            let s = st.lock().expect("rank status").clone();
+            let state = match (s.stopped, s.health) {
+                (true, _) => RankState::Stopped,
+                (false, ingest::Health::Ok) => RankState::Ok,
+                (false, ingest::Health::Degraded) => RankState::Degraded,
+                (false, ingest::Health::Incomplete) => RankState::Incomplete,
+            };
+            status.set_rank_state(rank, state, s.reason.clone().unwrap_or_default());
+            for (name, v) in [
+                ("batches", s.batches),
+                ("gaps", s.gaps),
+                ("refilled_batches", s.refilled),
+                ("lost_batches", s.lost),
+                ("publisher_restarts", s.restarts),
+                ("message_errors", s.message_errors),
+            ] {
+                status.set_counter(&format!("rank{rank}.{name}"), v);
+            }
+        }
+    }
+}
+
+async fn scrape_loop(
+    url: String,
+    every: Duration,
+    loads: Arc<RwLock<Loads>>,
+    status: RelayStatusHandle,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        match ingest::load::scrape(&url, every.max(Duration::from_secs(1))).await {
+            Ok(text) => {
+                *loads.write().expect("loads") = ingest::load::parse(&text, now_ms());
+                if failing {
+                    tracing::info!(%url, "engine metrics reachable again");
+                }
+                failing = false;
+                status.set_counter("engine_metrics_reachable", 1);
+                let loads = loads.read().expect("loads");
+                for rank in status.get().ranks.keys() {
+                    if let Some(l) = ingest::load::for_rank(&loads, *rank) {
+                        status.set_load(*rank, l);
+                    }
+                }
+            }
+            Err(e) => {
+                if !failing {
+                    tracing::warn!(%url, error = %e, "engine metrics unreachable");
+                }
+                failing = true;
+                status.set_counter("engine_metrics_reachable", 0);
+                metrics::counter!("kv_relay_load_scrape_errors_total").increment(1);
+            }
+        }
+    }
+}
+
+async fn heartbeat_loop(
+    every: Duration,
+    ranks: BTreeMap<u32, ingest::SharedRankStatus>,
+    loads: Arc<RwLock<Loads>>,
+    notices: broadcast::Sender<Notice>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        for (&rank, st) in &ranks {
+            let quiet = st.lock().expect("rank status").last_batch_at.is_none_or(|t| t.elapsed() >= every);
+            if quiet {
+                let load: Option<Load> = ingest::load::for_rank(&loads.read().expect("loads"), rank);
+                // No receiver is not an error: nobody is subscribed.
+                let _ = notices.send(Notice::Heartbeat { dp_rank: rank, load });
+            }
+        }
+    }
+}
