@@ -614,6 +614,21 @@ impl PrefixIndex {
         }
     }
 
+    /// Copies of one block the worker holds in `tier` (0 if none).
+    pub fn copies(&self, worker: WorkerId, tier: TierId, hash: u64) -> u32 {
+        let _reading = self.grace.read();
+        let seq0 = self.swap_seq.load(Ordering::SeqCst);
+        let holder = table::holder(worker.get(), self.visible_tag(worker.get(), seq0), tier.get());
+        let p = Probe::new(hash);
+        let mut copies = 0;
+        self.tables.load()[p.shard(self.shard_mask)].for_each(&p, |v| {
+            if v & table::HOLDER == holder {
+                copies = (v & table::COPIES) as u32;
+            }
+        });
+        copies
+    }
+
     /// Counters and sizes.
     pub fn stats(&self) -> IndexStats {
         let mut stats = IndexStats {

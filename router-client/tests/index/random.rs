@@ -112,6 +112,11 @@ fn run(seed: u64, ops: usize, config: IndexConfig) -> usize {
         p.lookup(&request(&mut rng));
         if let Some(b) = recent.last() {
             p.lookup(b);
+            // Exact copy counts of those blocks, for one (worker, tier).
+            let (wk, tr) = (worker(&mut rng), tier(&mut rng));
+            for &h in b {
+                assert_eq!(p.index.copies(wk, tr, h), p.reference.copies(wk, tr, h), "copies of {h:x}");
+            }
         }
         lookups += 2;
         if op % 1024 == 0 {

@@ -27,8 +27,10 @@ fn store_twice_remove_once_is_still_held() {
     let s = seq(1, 3);
     p.store(w(0), TierId::DEVICE, &s);
     p.store(w(0), TierId::DEVICE, &s[..1]);
+    assert_eq!(p.index.copies(w(0), TierId::DEVICE, s[0]), 2);
     let out = p.remove(w(0), TierId::DEVICE, &s[..1]);
     assert_eq!((out.removed, out.missing), (1, 0));
+    assert_eq!(p.index.copies(w(0), TierId::DEVICE, s[0]), 1);
     assert_eq!(flat(&p.lookup(&s)), vec![(0, 3, vec![(0, 3)])]);
     // The second removal takes the last copy: the run stops before block 0.
     p.remove(w(0), TierId::DEVICE, &s[..1]);
@@ -202,7 +204,9 @@ fn copies_saturate_instead_of_wrapping() {
     p.store(w(0), TierId::DEVICE, &[42]);
     assert_eq!(p.index.stats().saturated_stores, 1);
     assert_eq!(p.reference.copies(w(0), TierId::DEVICE, 42), u32::MAX);
+    assert_eq!(p.index.copies(w(0), TierId::DEVICE, 42), u32::MAX);
     p.remove(w(0), TierId::DEVICE, &[42]);
+    assert_eq!(p.index.copies(w(0), TierId::DEVICE, 42), u32::MAX - 1);
     assert_eq!(p.lookup(&[42]).blocks(w(0)), 1);
 }
 
