@@ -237,12 +237,15 @@ pub fn decode_batch(payload: &[u8]) -> Result<RawBatch, MessageError> {
         Err(MsgpackError::Truncated) => return Err(MessageError::Payload(MsgpackError::Truncated)),
         Err(_) => return Err(MessageError::BatchTs),
     };
-    let n_events = match r.array_len() {
+    // The claimed count is not checked against the bytes left: a payload cut inside the events
+    // keeps the events before the cut (each takes at least one byte, so the loop below ends at
+    // the end of the input whatever the header claims).
+    let n_events = match r.array_header() {
         Ok(n) => n,
         Err(MsgpackError::Type(_)) => return Err(MessageError::NotABatch),
         Err(e) => return Err(MessageError::Payload(e)),
     };
-    let mut events = Vec::with_capacity(n_events.min(1024));
+    let mut events = Vec::with_capacity((n_events as usize).min(r.remaining()).min(1024));
     let mut truncated = false;
     for _ in 0..n_events {
         let start = r.position();

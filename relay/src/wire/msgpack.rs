@@ -165,23 +165,32 @@ impl<'a> Reader<'a> {
     /// Reads an array header; the length is checked against the bytes left.
     pub fn array_len(&mut self) -> Result<usize, MsgpackError> {
         self.typed(|r| {
+            let n = r.array_header()?;
+            r.check_claim(n, 1)
+        })
+    }
+
+    /// Reads an array header and returns the length it claims, unchecked: for a reader that
+    /// walks the elements one by one and stops where the input ends (a cut batch keeps the
+    /// events before the cut). Never size an allocation by it.
+    pub fn array_header(&mut self) -> Result<u64, MsgpackError> {
+        self.typed(|r| {
             let m = r.peek_byte()?;
-            let n = match m {
+            match m {
                 0x90..=0x9f => {
                     r.pos += 1;
-                    u64::from(m & 0x0f)
+                    Ok(u64::from(m & 0x0f))
                 }
                 0xdc => {
                     r.pos += 1;
-                    r.be(2)?
+                    r.be(2)
                 }
                 0xdd => {
                     r.pos += 1;
-                    r.be(4)?
+                    r.be(4)
                 }
-                _ => return Err(MsgpackError::Type(m)),
-            };
-            r.check_claim(n, 1)
+                _ => Err(MsgpackError::Type(m)),
+            }
         })
     }
 
