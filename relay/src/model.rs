@@ -332,6 +332,11 @@ pub enum RecordBody {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Record {
     pub cursor: u64,
+    /// The store incarnation (one per open of the store) that committed it: after a crash lost
+    /// the newest commits, a cursor may be committed again with a different record, and this
+    /// tells the two apart (see `Store::cursor_matches`).
+    #[serde(default)]
+    pub incarnation: u32,
     pub body: RecordBody,
 }
 

@@ -390,6 +390,16 @@ impl MockEngine {
         self.publish_locked(r, &mut st, rank, vec![EngineEvent::Cleared])
     }
 
+    /// `reset_prefix_cache` as the engines publish it: the cache is emptied now, and
+    /// `AllBlocksCleared` rides in front of the rank's next batch (nothing is published until
+    /// then; the truth changes with that batch).
+    pub fn clear_with_next_batch(&self, rank: u32) -> Result<(), EngineError> {
+        let (_, mut st) = self.lock_state(rank)?;
+        st.cache.clear();
+        st.needs_clear = true;
+        Ok(())
+    }
+
     pub fn set_load(&self, rank: u32, load: Load) -> Result<(), EngineError> {
         self.rank(rank)?;
         self.loads.lock().expect("loads lock")[rank as usize] = load;

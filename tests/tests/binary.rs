@@ -157,3 +157,59 @@ fn binary_prints_endpoints_generates_obeys_commands_and_reports_its_truth() {
     let status = p.child.wait().expect("exit");
     assert!(status.success());
 }
+
+#[test]
+fn binary_plays_a_capture_and_exits_when_done() {
+    let fixtures = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
+    let capture = fixtures.join("sglang-dp2.jsonl");
+    let args: Vec<String> = [
+        "--engine",
+        "sglang",
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--replay-endpoint",
+        "tcp://127.0.0.1:0",
+        "--play",
+        capture.to_str().unwrap(),
+        "--exit-when-done",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut p = Proc::spawn(&args);
+    let ready: Json = serde_json::from_str(p.line_starting("ready ").trim_start_matches("ready ")).unwrap();
+    // The capture needs two ranks: the engine grows to two.
+    assert_eq!(ready["ranks"].as_array().unwrap().len(), 2);
+    let done: Json = serde_json::from_str(p.line_starting("done ").trim_start_matches("done ")).unwrap();
+    assert_eq!(done["play"]["batches"], 101);
+    assert_eq!(done["play"]["restarts"], 0);
+    assert!(p.child.wait().expect("exit").success());
+}
+
+#[test]
+fn binary_generates_from_a_mooncake_trace() {
+    let trace =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mooncake/synthetic_trace.jsonl");
+    let args: Vec<String> = [
+        "--endpoint",
+        "tcp://127.0.0.1:0",
+        "--generate",
+        &format!("mooncake:{}", trace.display()),
+        "--requests",
+        "25",
+        "--block-size",
+        "8",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let mut p = Proc::spawn(&args);
+    p.line_starting("ready ");
+    assert_eq!(p.line_starting("done "), "done {\"requests\":25}");
+    let truth: Json = serde_json::from_str(&p.ask("truth")).unwrap();
+    assert_eq!(truth["truth"][0]["medium"], "GPU");
+    assert!(!truth["truth"][0]["block_hashes"].as_array().unwrap().is_empty());
+    assert!(p.ask("restart 7").starts_with("error: no rank 7"));
+    writeln!(p.stdin, "quit").unwrap();
+    assert!(p.child.wait().expect("exit").success());
+}

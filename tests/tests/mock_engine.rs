@@ -517,3 +517,23 @@ fn restart_answers_a_flush_held_by_a_delay_and_keeps_armed_drops() {
     assert_eq!(seqs(&sub.collect(1, T)), vec![1]);
     assert_eq!(engine.truth().copies(), 2);
 }
+
+#[test]
+fn clear_with_next_batch_rides_in_front_of_the_next_step() {
+    let engine = engine_with(vllm(), 1, |c| c.block_size = 4);
+    let mut src = RandomSource::new(2, 4, 4);
+    engine.serve_request(0, &src.next_request().unwrap(), false).unwrap();
+    engine.clear_with_next_batch(0).unwrap();
+    engine.flush().unwrap();
+    assert_eq!(engine.stats(0).unwrap().next_seq, 1, "nothing published by the clear itself");
+    let req = src.next_request().unwrap();
+    engine.serve_request(0, &req, false).unwrap();
+    engine.flush().unwrap();
+    let recs = engine.records(0).unwrap();
+    let events: Vec<WireEvent> =
+        decode_batch(&recs[1].payload).unwrap().events.into_iter().map(Result::unwrap).collect();
+    assert_eq!(events[0], WireEvent::Cleared);
+    assert!(matches!(&events[1], WireEvent::Stored { hashes, .. } if hashes.len() == req.len()));
+    assert_eq!(events.len(), 2);
+    assert_eq!(engine.truth().copies(), req.len() as u64);
+}

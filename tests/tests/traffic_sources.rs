@@ -201,3 +201,21 @@ fn generator_keeps_its_rate() {
     // Request i is due at i/rate: the 30th at 0.29 s.
     assert!(start.elapsed() >= Duration::from_millis(290), "{:?}", start.elapsed());
 }
+
+#[test]
+fn paced_playback_keeps_the_recorded_gaps() {
+    // Three pub lines 0.15 s apart, built from the first golden payloads.
+    let src = read_capture(&shared().join("fixtures/golden-vllm-0.9.1.jsonl")).unwrap();
+    let mut lines: Vec<_> = src.into_iter().filter(|l| l.socket == "pub").take(3).collect();
+    for (i, l) in lines.iter_mut().enumerate() {
+        l.t = 10.0 + 0.15 * i as f64;
+    }
+    let engine = engine_for(Engine::Vllm, 1, |_| {});
+    let start = Instant::now();
+    let report = play(&engine, &lines, true, &AtomicBool::new(false)).unwrap();
+    assert_eq!(report.batches, 3);
+    assert!(start.elapsed() >= Duration::from_millis(300), "{:?}", start.elapsed());
+    let start = Instant::now();
+    play(&engine, &lines, false, &AtomicBool::new(false)).unwrap();
+    assert!(start.elapsed() < Duration::from_millis(300));
+}

@@ -97,7 +97,7 @@ struct Args {
 
 const HELP: &str = "commands (RANK omitted = every rank): drop N [RANK] | lose N [RANK] | \
 trim-buffer KEEP [RANK] | delay DURATION [RANK] | restart RANK | stop RANK | start RANK | \
-clear RANK | garbage RANK [frames|short-seq|not-msgpack|truncated|malformed-event] | \
+clear RANK | clear-next RANK | garbage RANK [frames|short-seq|not-msgpack|truncated|malformed-event] | \
 layout old|new [RANK] | load RANK RUNNING WAITING USAGE | pause | resume | flush | truth | \
 stats | endpoints | quit";
 
@@ -228,6 +228,7 @@ fn command(engine: &MockEngine, line: &str) -> anyhow::Result<Option<String>> {
         "stop" => engine.stop(one_rank(rest.first())?)?,
         "start" => engine.start_rank(one_rank(rest.first())?)?,
         "clear" => engine.clear(one_rank(rest.first())?)?,
+        "clear-next" => engine.clear_with_next_batch(one_rank(rest.first())?)?,
         "garbage" => {
             let rank = one_rank(rest.first())?;
             let kind = match rest.get(1) {

@@ -1,0 +1,1009 @@
+//! The durable store: the bounded history of committed records and the live-block snapshot, in
+//! sled, moving together.
+//!
+//! # Commit
+//! Commits are serialized by one lock. Each [`Store::commit_many`] reads what it needs (through
+//! an overlay of its own pending writes), then writes the history records, the snapshot changes,
+//! the per-rank ingest positions, the trimmed history and the totals as **one sled batch**
+//! (`Tree::apply_batch`): readers see it at once, and after a crash sled recovers all of it or
+//! none of it. A batch rather than a sled transaction: every key lives in one tree (`data`,
+//! prefixed by kind), the lock already excludes other writers, and a batch costs less.
+//!
+//! # Clears without scans
+//! Live keys carry a rank generation and a tier generation (`l rank rgen tier tgen group hash`).
+//! A clear of a rank or of a tier bumps the generation in the rank's row: one key written, and
+//! every block under the old generation is dead at once. A background thread sweeps dead keys
+//! later, in bounded batches (a `w rank` marker keeps a pending sweep across a crash).
+//!
+//! # Crash protocol
+//! Every open is a new *incarnation*, kept with the first cursor it could commit. sled makes
+//! writes durable in the background (every 500 ms, or at [`Store::flush`]), so kill -9 can lose
+//! the newest commits, and the next incarnation commits *different* records under those cursors.
+//! Each [`Record`] says which incarnation committed it; [`Store::cursor_matches`] tells a
+//! subscriber whether the cursor it holds is still the record it saw. See `docs/architecture.md`.
+
+mod codec;
+mod error;
+mod snapshot;
+
+pub use error::StoreError;
+pub use snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
+
+use crate::model::{Batch, ControlKind, Event, Namespace, Record, RecordBody, Tier};
+use codec::*;
+use error::count;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::io::BufWriter;
+use std::path::{Path, PathBuf};
+use std::sync::{mpsc, Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Instant;
+use tokio::sync::watch;
+
+/// The on-disk format this build writes and reads. A store of any other version is refused.
+pub const FORMAT_VERSION: u32 = 1;
+
+/// Dead keys removed per sweep batch.
+const SWEEP_BATCH: usize = 4096;
+
+/// How much history is kept: the oldest records go first when either bound is passed. The newest
+/// record is always kept, even when it alone is larger than `max_bytes`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HistoryLimits {
+    pub max_batches: u64,
+    /// Sum of the records' encoded sizes.
+    pub max_bytes: u64,
+}
+
+impl Default for HistoryLimits {
+    fn default() -> Self {
+        HistoryLimits { max_batches: 10_000, max_bytes: 256 << 20 }
+    }
+}
+
+/// Where and how the store lives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StoreConfig {
+    /// The state directory: sled's files are in `sled/`, snapshot spill files in `spill/`.
+    pub dir: PathBuf,
+    pub limits: HistoryLimits,
+    /// sled's page cache, bytes (default 64 MiB).
+    pub cache_bytes: u64,
+}
+
+impl StoreConfig {
+    /// Default limits and cache in `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        StoreConfig { dir: dir.into(), limits: HistoryLimits::default(), cache_bytes: 64 << 20 }
+    }
+}
+
+/// The history's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct HistoryStats {
+    pub batches: u64,
+    pub bytes: u64,
+    pub oldest: Option<u64>,
+    pub newest: u64,
+}
+
+/// What became of a cursor a subscriber holds (see [`Store::cursor_matches`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CursorCheck {
+    /// The record at this cursor is the one that incarnation committed, and it is in the history:
+    /// resume after it.
+    Same,
+    /// That incarnation's record at this cursor was lost in a crash (another incarnation holds the
+    /// cursor now, or it is beyond the newest): the subscriber's state is not the store's, resync
+    /// from a snapshot.
+    Lost,
+    /// The record is durable but older than the history: resync from a snapshot.
+    Trimmed,
+}
+
+/// A rank's condition as the last control record left it.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "health", rename_all = "snake_case")]
+pub enum RankHealth {
+    #[default]
+    Ok,
+    Degraded {
+        reason: String,
+    },
+    Incomplete {
+        reason: String,
+    },
+}
+
+/// Where a rank's ingest stood at its last commit: what a restarted relay resumes from.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct RankCursor {
+    /// Engine `seq` of the rank's last committed batch; `None` when no batch was committed since
+    /// the rank's last [`ControlKind::RankReset`] (the publisher restarted: refill from seq 0).
+    pub last_seq: Option<u64>,
+    /// Engine timestamp of that batch (tells the same publisher from a restarted one).
+    pub last_ts: Option<f64>,
+    /// Relay cursor of the rank's last record (batch or control).
+    pub last_cursor: u64,
+    pub health: RankHealth,
+}
+
+/// Totals of one (rank, tier, group) of the snapshot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LiveGroupSummary {
+    pub dp_rank: u32,
+    pub tier: Tier,
+    pub group: u32,
+    /// Distinct live blocks.
+    pub blocks: u64,
+    /// Physical copies (at least `blocks`).
+    pub copies: u64,
+    /// Distinct namespaces among the blocks.
+    pub namespaces: u64,
+}
+
+/// Totals of the whole snapshot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LiveStats {
+    pub blocks: u64,
+    pub copies: u64,
+    /// Removals of a block with no copy (counted, not an error), since the store was created.
+    pub removed_not_live: u64,
+    /// Stores of a block already held (a further copy), since the store was created.
+    pub stored_already_live: u64,
+}
+
+/// A rank's persisted row (`r rank`): its ingest position and the generations of its keys.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+struct RankRow {
+    cursor: RankCursor,
+    rgen: u32,
+    /// Tiers with keys under `rgen`, sorted, each with its generation.
+    tiers: Vec<(Tier, u32)>,
+}
+
+impl RankRow {
+    fn tgen(&self, t: &Tier) -> Option<u32> {
+        self.tiers.iter().find(|(x, _)| x == t).map(|(_, g)| *g)
+    }
+
+    fn ensure_tier(&mut self, t: &Tier) -> u32 {
+        match self.tiers.binary_search_by(|(x, _)| x.cmp(t)) {
+            Ok(i) => self.tiers[i].1,
+            Err(i) => {
+                self.tiers.insert(i, (t.clone(), 0));
+                0
+            }
+        }
+    }
+}
+
+/// What the commit lock guards.
+struct Writer {
+    counters: Counters,
+    ranks: BTreeMap<u32, RankRow>,
+    /// Set by a failed write: sled refuses writes after an I/O error, so the store must be reopened.
+    failed: Option<String>,
+}
+
+/// What readers see: a copy made after each commit, so reads never wait for a snapshot's pause.
+#[derive(Clone)]
+struct View {
+    counters: Counters,
+    ranks: BTreeMap<u32, RankRow>,
+}
+
+struct Inner {
+    dir: PathBuf,
+    db: sled::Db,
+    data: sled::Tree,
+    limits: HistoryLimits,
+    epoch: u64,
+    incarnation: u32,
+    /// Each incarnation's first cursor (fixed at open).
+    incarnations: BTreeMap<u32, u64>,
+    writer: Mutex<Writer>,
+    view: RwLock<View>,
+    newest_tx: watch::Sender<u64>,
+    /// Ranks to sweep; dropped first in `Drop` so the sweeper ends.
+    sweep_tx: Mutex<Option<mpsc::Sender<u32>>>,
+    sweeper: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        drop(self.sweep_tx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        if let Some(h) = self.sweeper.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = h.join();
+        }
+        let _ = self.db.flush();
+    }
+}
+
+/// The durable store. Cheap to clone: every clone is the same store.
+#[derive(Clone)]
+pub struct Store {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Store {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Store")
+            .field("dir", &self.inner.dir)
+            .field("epoch", &self.inner.epoch)
+            .field("incarnation", &self.inner.incarnation)
+            .finish()
+    }
+}
+
+fn meta_u64(meta: &sled::Tree, key: &str) -> Result<Option<u64>, sled::Error> {
+    Ok(meta.get(key)?.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok()).map(u64::from_be_bytes))
+}
+
+fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, sled::Error> {
+    sled::Config::new().path(dir).cache_capacity(cache_bytes).open()
+}
+
+/// Moves an unreadable sled directory aside (`unreadable-<unix ms>`), keeping it for inspection.
+fn set_aside(dir: &Path, sled_dir: &Path, why: &str) -> Result<(), StoreError> {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    let to = dir.join(format!("unreadable-{ms}"));
+    tracing::warn!(dir = %dir.display(), moved_to = %to.display(), why, "store unreadable: starting a new one with a new epoch");
+    std::fs::rename(sled_dir, &to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))
+}
+
+impl Store {
+    /// Opens the store in `cfg.dir`, creating it (with a new epoch) when there is none. A store of
+    /// another format version is refused; one that sled cannot read, or without its meta data, is
+    /// moved aside and a new one (new epoch) is made. Every open is a new incarnation.
+    pub fn open(cfg: StoreConfig) -> Result<Store, StoreError> {
+        Self::open_inner(cfg).map_err(|e| count("open", e))
+    }
+
+    fn open_inner(cfg: StoreConfig) -> Result<Store, StoreError> {
+        let dir = cfg.dir.clone();
+        let sl = |e| StoreError::sled("open", &dir, e);
+        std::fs::create_dir_all(dir.join("spill"))
+            .map_err(|e| StoreError::io("create the state directory", &dir, e))?;
+        let sled_dir = dir.join("sled");
+        let db = match open_sled(&sled_dir, cfg.cache_bytes) {
+            Ok(db) => db,
+            Err(e @ (sled::Error::Corruption { .. } | sled::Error::ReportableBug(_))) => {
+                set_aside(&dir, &sled_dir, &e.to_string())?;
+                open_sled(&sled_dir, cfg.cache_bytes).map_err(sl)?
+            }
+            Err(e) => return Err(sl(e)),
+        };
+        let (db, meta, data) = {
+            let meta = db.open_tree("meta").map_err(sl)?;
+            let data = db.open_tree("data").map_err(sl)?;
+            let format = meta.get("format").map_err(sl)?;
+            let readable = match &format {
+                None => data.is_empty() && meta.is_empty(),
+                Some(v) => v.len() == 4 && meta_u64(&meta, "epoch").map_err(sl)?.is_some(),
+            };
+            if let Some(v) = format.as_deref().filter(|v| v.len() == 4) {
+                let found = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
+                if found != FORMAT_VERSION {
+                    return Err(StoreError::IncompatibleFormat { dir, found, supported: FORMAT_VERSION });
+                }
+            }
+            if readable {
+                (db, meta, data)
+            } else {
+                drop((meta, data, db));
+                set_aside(&dir, &sled_dir, "no format version or epoch")?;
+                let db = open_sled(&sled_dir, cfg.cache_bytes).map_err(sl)?;
+                let meta = db.open_tree("meta").map_err(sl)?;
+                let data = db.open_tree("data").map_err(sl)?;
+                (db, meta, data)
+            }
+        };
+        let epoch = match meta_u64(&meta, "epoch").map_err(sl)? {
+            Some(e) => e,
+            None => {
+                let epoch = loop {
+                    let e: u64 = rand::random();
+                    if e != 0 {
+                        break e;
+                    }
+                };
+                let mut b = sled::Batch::default();
+                b.insert("format", &FORMAT_VERSION.to_be_bytes());
+                b.insert("epoch", &epoch.to_be_bytes());
+                meta.apply_batch(b).map_err(sl)?;
+                epoch
+            }
+        };
+        let counters = match data.get([P_COUNTERS]).map_err(sl)? {
+            Some(v) => Counters::decode(&v).ok_or_else(|| StoreError::Decode {
+                dir: dir.clone(),
+                what: "counters",
+                detail: format!("{} bytes", v.len()),
+            })?,
+            None => Counters::default(),
+        };
+        let incarnation = meta.get("incarnation").map_err(sl)?.and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok());
+        let incarnation = incarnation.map(u32::from_be_bytes).unwrap_or(0) + 1;
+        let mut b = sled::Batch::default();
+        b.insert("incarnation", &incarnation.to_be_bytes());
+        let mut ikey = b"i".to_vec();
+        ikey.extend_from_slice(&incarnation.to_be_bytes());
+        b.insert(ikey, &(counters.newest + 1).to_be_bytes());
+        meta.apply_batch(b).map_err(sl)?;
+        db.flush().map_err(|e| StoreError::sled("open", &dir, e))?;
+        let mut incarnations = BTreeMap::new();
+        for kv in meta.scan_prefix("i") {
+            let (k, v) = kv.map_err(sl)?;
+            if let (Ok(i), Ok(c)) = (<[u8; 4]>::try_from(&k[1..]), <[u8; 8]>::try_from(v.as_ref())) {
+                incarnations.insert(u32::from_be_bytes(i), u64::from_be_bytes(c));
+            }
+        }
+        let mut ranks = BTreeMap::new();
+        for kv in data.scan_prefix([P_RANK]) {
+            let (k, v) = kv.map_err(sl)?;
+            let bad = |detail| StoreError::Decode { dir: dir.clone(), what: "rank row", detail };
+            let rank = <[u8; 4]>::try_from(&k[1..]).map_err(|_| bad(format!("key {k:02x?}")))?;
+            ranks.insert(u32::from_be_bytes(rank), decode_named::<RankRow>(&v).map_err(bad)?);
+        }
+        let mut pending = Vec::new();
+        for kv in data.scan_prefix([P_SWEEP]) {
+            let (k, _) = kv.map_err(sl)?;
+            if let Ok(r) = <[u8; 4]>::try_from(&k[1..]) {
+                pending.push(u32::from_be_bytes(r));
+            }
+        }
+        let (tx, rx) = mpsc::channel::<u32>();
+        for r in pending {
+            let _ = tx.send(r);
+        }
+        let sweeper = {
+            let data = data.clone();
+            let sweep_dir = dir.clone();
+            std::thread::Builder::new()
+                .name("kv-relay-store-sweep".into())
+                .spawn(move || {
+                    while let Ok(rank) = rx.recv() {
+                        if let Err(e) = sweep(&data, &sweep_dir, rank) {
+                            count("sweep", e);
+                        }
+                    }
+                })
+                .map_err(|e| StoreError::io("start the sweeper thread", &dir, e))?
+        };
+        let (newest_tx, _) = watch::channel(counters.newest);
+        let view = View { counters, ranks: ranks.clone() };
+        tracing::info!(dir = %dir.display(), epoch, incarnation, newest = counters.newest, "store opened");
+        Ok(Store {
+            inner: Arc::new(Inner {
+                dir,
+                db,
+                data,
+                limits: cfg.limits,
+                epoch,
+                incarnation,
+                incarnations,
+                writer: Mutex::new(Writer { counters, ranks, failed: None }),
+                view: RwLock::new(view),
+                newest_tx,
+                sweep_tx: Mutex::new(Some(tx)),
+                sweeper: Mutex::new(Some(sweeper)),
+            }),
+        })
+    }
+
+    /// The relay epoch: random, made when the store was created, kept across opens.
+    pub fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// This open's incarnation (1 for the first open of a new store).
+    pub fn incarnation(&self) -> u32 {
+        self.inner.incarnation
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.inner.dir
+    }
+
+    pub fn limits(&self) -> HistoryLimits {
+        self.inner.limits
+    }
+
+    /// Commits one record at the next cursor.
+    pub fn commit(&self, body: RecordBody) -> Result<Record, StoreError> {
+        let mut v = self.commit_many(vec![body])?;
+        Ok(v.pop().expect("one record for one body"))
+    }
+
+    /// Commits records at consecutive cursors, all in one atomic write.
+    pub fn commit_many(&self, bodies: Vec<RecordBody>) -> Result<Vec<Record>, StoreError> {
+        if bodies.is_empty() {
+            return Ok(Vec::new());
+        }
+        let inner = &*self.inner;
+        let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = &w.failed {
+            return Err(count("commit", StoreError::Failed { dir: inner.dir.clone(), first: first.clone() }));
+        }
+        let mut txn = Txn {
+            data: &inner.data,
+            dir: &inner.dir,
+            limits: inner.limits,
+            incarnation: inner.incarnation,
+            overlay: HashMap::new(),
+            counters: w.counters,
+            ranks: w.ranks.clone(),
+            sweeps: BTreeSet::new(),
+        };
+        let mut out = Vec::with_capacity(bodies.len());
+        for body in bodies {
+            out.push(txn.apply(body).map_err(|e| count("commit", e))?);
+        }
+        let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
+        let batch = txn.into_batch(&w.ranks, &sweeps).map_err(|e| count("commit", e))?;
+        if let Err(e) = inner.data.apply_batch(batch) {
+            let e = StoreError::sled("commit", &inner.dir, e);
+            w.failed = Some(e.to_string());
+            return Err(count("commit", e));
+        }
+        w.counters = counters;
+        w.ranks = ranks;
+        *inner.view.write().unwrap_or_else(|p| p.into_inner()) = View { counters, ranks: w.ranks.clone() };
+        drop(w);
+        inner.newest_tx.send_replace(counters.newest);
+        if !sweeps.is_empty() {
+            if let Some(tx) = &*inner.sweep_tx.lock().unwrap_or_else(|p| p.into_inner()) {
+                for r in sweeps {
+                    let _ = tx.send(r);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    fn view(&self) -> View {
+        self.inner.view.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    fn counters(&self) -> Counters {
+        self.inner.view.read().unwrap_or_else(|p| p.into_inner()).counters
+    }
+
+    /// The newest committed cursor; 0 when nothing was ever committed.
+    pub fn newest_cursor(&self) -> u64 {
+        self.counters().newest
+    }
+
+    /// The oldest cursor still in the history.
+    pub fn oldest_cursor(&self) -> Option<u64> {
+        Some(self.counters().oldest).filter(|&c| c != 0)
+    }
+
+    /// Up to `limit` records with cursors above `after`, ascending. Records older than the
+    /// history are gone: the first one returned is then [`Store::oldest_cursor`].
+    pub fn history(&self, after: u64, limit: usize) -> Result<Vec<Record>, StoreError> {
+        let dir = &self.inner.dir;
+        let Some(from) = after.checked_add(1) else { return Ok(Vec::new()) };
+        let mut lo = vec![P_HISTORY];
+        lo.extend_from_slice(&from.to_be_bytes());
+        let mut out = Vec::new();
+        for kv in self.inner.data.range(lo..).take(limit) {
+            let (k, v) = kv.map_err(|e| count("history", StoreError::sled("history", dir, e)))?;
+            if k.first() != Some(&P_HISTORY) {
+                break;
+            }
+            let rec = decode_record(&v).map_err(|detail| {
+                count("history", StoreError::Decode { dir: dir.clone(), what: "history record", detail })
+            })?;
+            out.push(rec);
+        }
+        Ok(out)
+    }
+
+    pub fn history_stats(&self) -> HistoryStats {
+        let c = self.counters();
+        HistoryStats {
+            batches: c.hist_batches,
+            bytes: c.hist_bytes,
+            oldest: Some(c.oldest).filter(|&o| o != 0),
+            newest: c.newest,
+        }
+    }
+
+    /// The live blocks the filter selects, as of the newest cursor when it is called. Commits wait
+    /// while the selected entries are copied to a spill file (see [`Snapshot::pause`]); the
+    /// returned [`Snapshot`] then reads that file in chunks.
+    pub fn snapshot(&self, filter: SnapshotFilter) -> Result<Snapshot, StoreError> {
+        self.snapshot_inner(filter).map_err(|e| count("snapshot", e))
+    }
+
+    fn snapshot_inner(&self, filter: SnapshotFilter) -> Result<Snapshot, StoreError> {
+        let inner = &*self.inner;
+        let dir = &inner.dir;
+        let io = |e| StoreError::io("snapshot spill", dir, e);
+        let file = tempfile::tempfile_in(dir.join("spill")).map_err(io)?;
+        let mut out = BufWriter::with_capacity(1 << 20, file);
+        let started = Instant::now();
+        let w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let cursor = w.counters.newest;
+        let mut blocks = 0u64;
+        for (&rank, row) in w.ranks.iter().filter(|(r, _)| filter.wants_rank(**r)) {
+            for (tier, tgen) in row.tiers.iter().filter(|(t, _)| filter.wants_tier(t)) {
+                let prefix = tier_prefix(P_LIVE, rank, row.rgen, tier, *tgen)
+                    .map_err(|detail| StoreError::Invalid { what: "tier", detail })?;
+                for kv in inner.data.scan_prefix(prefix) {
+                    let (k, v) = kv.map_err(|e| StoreError::sled("snapshot", dir, e))?;
+                    snapshot::spill_entry(&mut out, &k, &v).map_err(io)?;
+                    blocks += 1;
+                }
+            }
+        }
+        drop(w);
+        let pause = started.elapsed();
+        let reader = snapshot::rewind(out).map_err(io)?;
+        metrics::histogram!("kv_relay_store_snapshot_pause_seconds").record(pause.as_secs_f64());
+        Ok(Snapshot {
+            cursor,
+            epoch: inner.epoch,
+            incarnation: inner.incarnation,
+            blocks,
+            pause,
+            chunk_blocks: 1024,
+            include_token_ids: filter.include_token_ids,
+            remaining: blocks,
+            reader,
+            dir: dir.clone(),
+        })
+    }
+
+    /// The newest committed cursor, updated after every commit (for live fan-out).
+    pub fn watch_newest(&self) -> watch::Receiver<u64> {
+        self.inner.newest_tx.subscribe()
+    }
+
+    /// Where the rank's ingest stood at its last commit; `None` for a rank never committed.
+    pub fn rank_state(&self, dp_rank: u32) -> Option<RankCursor> {
+        self.view().ranks.get(&dp_rank).map(|r| r.cursor.clone())
+    }
+
+    /// Every rank ever committed, with its state.
+    pub fn rank_states(&self) -> BTreeMap<u32, RankCursor> {
+        self.view().ranks.into_iter().map(|(r, row)| (r, row.cursor)).collect()
+    }
+
+    /// Totals per (rank, tier, group) of the live blocks, in that order. Read without the commit
+    /// lock: under concurrent commits it is the state at about the newest cursor.
+    pub fn live_summary(&self) -> Vec<LiveGroupSummary> {
+        match self.live_summary_inner() {
+            Ok(v) => v,
+            Err(e) => {
+                count("live_summary", e);
+                Vec::new()
+            }
+        }
+    }
+
+    fn live_summary_inner(&self) -> Result<Vec<LiveGroupSummary>, StoreError> {
+        let dir = &self.inner.dir;
+        let data = &self.inner.data;
+        let sl = |e| StoreError::sled("live summary", dir, e);
+        let mut out = Vec::new();
+        for (&rank, row) in &self.view().ranks {
+            for (tier, tgen) in &row.tiers {
+                let prefix = tier_prefix(P_SUMMARY, rank, row.rgen, tier, *tgen)
+                    .map_err(|detail| StoreError::Invalid { what: "tier", detail })?;
+                for kv in data.scan_prefix(prefix) {
+                    let (k, v) = kv.map_err(sl)?;
+                    let bad = || StoreError::Decode {
+                        dir: dir.clone(),
+                        what: "group totals",
+                        detail: format!("key {k:02x?}"),
+                    };
+                    let (g, _) = parse_group_key(&k).ok_or_else(bad)?;
+                    let t = GroupTotals::decode(&v).ok_or_else(bad)?;
+                    let mut np =
+                        group_key(P_NAMESPACE, &g).map_err(|detail| StoreError::Invalid { what: "tier", detail })?;
+                    np.shrink_to_fit();
+                    let namespaces = data.scan_prefix(np).count() as u64;
+                    out.push(LiveGroupSummary {
+                        dp_rank: rank,
+                        tier: g.tier,
+                        group: g.group,
+                        blocks: t.blocks,
+                        copies: t.copies,
+                        namespaces,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Totals of the whole snapshot.
+    pub fn live_stats(&self) -> LiveStats {
+        let c = self.counters();
+        let (blocks, copies) = self.live_summary().iter().fold((0, 0), |(b, c), g| (b + g.blocks, c + g.copies));
+        LiveStats { blocks, copies, removed_not_live: c.removed_not_live, stored_already_live: c.stored_already_live }
+    }
+
+    /// Whether `cursor`, as committed by `incarnation` (from a [`Record`] the subscriber saw), is
+    /// still that record here. Cursor 0 (nothing seen) is always [`CursorCheck::Same`].
+    pub fn cursor_matches(&self, cursor: u64, incarnation: u32) -> CursorCheck {
+        if cursor == 0 {
+            return CursorCheck::Same;
+        }
+        let c = self.counters();
+        if cursor > c.newest {
+            return CursorCheck::Lost;
+        }
+        // The incarnation that committed a durable cursor is the last one that began at or before
+        // it: each incarnation begins right after the newest durable cursor of the ones before.
+        let owner = self.inner.incarnations.iter().rev().find(|(_, &first)| first <= cursor).map(|(&i, _)| i);
+        if owner != Some(incarnation) {
+            CursorCheck::Lost
+        } else if c.oldest == 0 || cursor < c.oldest {
+            CursorCheck::Trimmed
+        } else {
+            CursorCheck::Same
+        }
+    }
+
+    /// The first cursor of every incarnation of this store.
+    pub fn incarnations(&self) -> BTreeMap<u32, u64> {
+        self.inner.incarnations.clone()
+    }
+
+    /// Makes every commit so far durable (sled otherwise does it every 500 ms).
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.inner.db.flush().map(drop).map_err(|e| count("flush", StoreError::sled("flush", &self.inner.dir, e)))
+    }
+
+    /// Bytes sled has on disk.
+    pub fn size_on_disk(&self) -> Result<u64, StoreError> {
+        self.inner.db.size_on_disk().map_err(|e| StoreError::sled("size on disk", &self.inner.dir, e))
+    }
+}
+
+/// One commit in the making: the writes so far (an overlay read before sled), and the totals and
+/// rank rows as they will be.
+struct Txn<'a> {
+    data: &'a sled::Tree,
+    dir: &'a Path,
+    limits: HistoryLimits,
+    incarnation: u32,
+    overlay: HashMap<Vec<u8>, Option<Vec<u8>>>,
+    counters: Counters,
+    ranks: BTreeMap<u32, RankRow>,
+    sweeps: BTreeSet<u32>,
+}
+
+fn invalid(detail: String) -> StoreError {
+    StoreError::Invalid { what: "tier", detail }
+}
+
+impl Txn<'_> {
+    fn get(&self, key: &[u8]) -> Result<Option<Vec<u8>>, StoreError> {
+        if let Some(v) = self.overlay.get(key) {
+            return Ok(v.clone());
+        }
+        Ok(self.data.get(key).map_err(|e| StoreError::sled("commit", self.dir, e))?.map(|v| v.to_vec()))
+    }
+
+    fn put(&mut self, key: Vec<u8>, v: Vec<u8>) {
+        self.overlay.insert(key, Some(v));
+    }
+
+    fn del(&mut self, key: Vec<u8>) {
+        self.overlay.insert(key, None);
+    }
+
+    fn bad(&self, what: &'static str, key: &[u8]) -> StoreError {
+        StoreError::Decode { dir: self.dir.to_path_buf(), what, detail: format!("key {key:02x?}") }
+    }
+
+    fn apply(&mut self, body: RecordBody) -> Result<Record, StoreError> {
+        let cursor = self.counters.newest + 1;
+        let record = Record { cursor, incarnation: self.incarnation, body };
+        let bytes = encode_record(&record).map_err(|detail| StoreError::Invalid { what: "record", detail })?;
+        match &record.body {
+            RecordBody::Batch { batch, .. } => self.apply_batch(batch, cursor)?,
+            RecordBody::Control(c) => {
+                let row = self.ranks.entry(c.dp_rank).or_default();
+                row.cursor.last_cursor = cursor;
+                match &c.kind {
+                    ControlKind::RankReset { .. } => {
+                        row.cursor.last_seq = None;
+                        row.cursor.last_ts = None;
+                        self.clear(c.dp_rank, None);
+                    }
+                    ControlKind::RankDegraded { reason } => {
+                        row.cursor.health = RankHealth::Degraded { reason: reason.clone() }
+                    }
+                    ControlKind::RankIncomplete { reason } => {
+                        row.cursor.health = RankHealth::Incomplete { reason: reason.clone() }
+                    }
+                    ControlKind::RankRecovered => row.cursor.health = RankHealth::Ok,
+                }
+            }
+        }
+        self.counters.newest = cursor;
+        self.counters.hist_batches += 1;
+        self.counters.hist_bytes += bytes.len() as u64;
+        if self.counters.oldest == 0 {
+            self.counters.oldest = cursor;
+        }
+        self.put(history_key(cursor), bytes);
+        self.trim()?;
+        Ok(record)
+    }
+
+    fn trim(&mut self) -> Result<(), StoreError> {
+        let l = self.limits;
+        while self.counters.hist_batches > 1
+            && (self.counters.hist_batches > l.max_batches || self.counters.hist_bytes > l.max_bytes)
+        {
+            let k = history_key(self.counters.oldest);
+            let len = self.get(&k)?.ok_or_else(|| self.bad("history record (missing)", &k))?.len() as u64;
+            self.del(k);
+            self.counters.hist_batches -= 1;
+            self.counters.hist_bytes -= len;
+            self.counters.oldest += 1;
+        }
+        Ok(())
+    }
+
+    fn apply_batch(&mut self, batch: &Batch, cursor: u64) -> Result<(), StoreError> {
+        for e in &batch.events {
+            self.apply_event(batch.dp_rank, e)?;
+        }
+        let row = self.ranks.entry(batch.dp_rank).or_default();
+        row.cursor.last_seq = Some(batch.seq);
+        row.cursor.last_ts = Some(batch.ts);
+        row.cursor.last_cursor = cursor;
+        Ok(())
+    }
+
+    fn clear(&mut self, rank: u32, tier: Option<&Tier>) {
+        let row = self.ranks.entry(rank).or_default();
+        match tier {
+            None => {
+                if !row.tiers.is_empty() {
+                    row.rgen = row.rgen.wrapping_add(1);
+                    row.tiers.clear();
+                    self.sweeps.insert(rank);
+                }
+            }
+            Some(t) => {
+                if let Some(e) = row.tiers.iter_mut().find(|(x, _)| x == t) {
+                    e.1 = e.1.wrapping_add(1);
+                    self.sweeps.insert(rank);
+                }
+            }
+        }
+    }
+
+    fn add_totals(&mut self, g: &GroupAt, blocks: i64, copies: i64) -> Result<(), StoreError> {
+        let k = group_key(P_SUMMARY, g).map_err(invalid)?;
+        let mut t = match self.get(&k)? {
+            Some(v) => GroupTotals::decode(&v).ok_or_else(|| self.bad("group totals", &k))?,
+            None => GroupTotals::default(),
+        };
+        t.blocks = t.blocks.saturating_add_signed(blocks);
+        t.copies = t.copies.saturating_add_signed(copies);
+        if t.blocks == 0 {
+            self.del(k);
+        } else {
+            self.put(k, t.encode());
+        }
+        Ok(())
+    }
+
+    fn add_namespace(&mut self, g: &GroupAt, ns: &Namespace, blocks: i64) -> Result<(), StoreError> {
+        let mut k = group_key(P_NAMESPACE, g).map_err(invalid)?;
+        put_namespace(&mut k, ns);
+        let n = match self.get(&k)? {
+            Some(v) => {
+                u64::from_be_bytes(<[u8; 8]>::try_from(v.as_slice()).map_err(|_| self.bad("namespace count", &k))?)
+            }
+            None => 0,
+        };
+        let n = n.saturating_add_signed(blocks);
+        if n == 0 {
+            self.del(k);
+        } else {
+            self.put(k, n.to_be_bytes().to_vec());
+        }
+        Ok(())
+    }
+
+    fn apply_event(&mut self, rank: u32, e: &Event) -> Result<(), StoreError> {
+        match e {
+            Event::Stored(s) => {
+                let row = self.ranks.entry(rank).or_default();
+                let tgen = row.ensure_tier(&s.tier);
+                let g = GroupAt { dp_rank: rank, rgen: row.rgen, tier: s.tier.clone(), tgen, group: s.group.idx };
+                let mut parent = s.parent;
+                for b in &s.blocks {
+                    let key = live_key(&g, b.hash).map_err(invalid)?;
+                    let mut v = LiveValue {
+                        copies: 1,
+                        block_size: s.block_size,
+                        parent,
+                        layout: s.token_layout,
+                        namespace: s.namespace.clone(),
+                        token_ids: b.token_ids.clone(),
+                    };
+                    match self.get(&key)? {
+                        Some(old) => {
+                            let old = LiveValue::decode(&old, false).ok_or_else(|| self.bad("live block", &key))?;
+                            v.copies = old.copies.saturating_add(1);
+                            self.counters.stored_already_live += 1;
+                            if old.namespace != v.namespace {
+                                self.add_namespace(&g, &old.namespace, -1)?;
+                                self.add_namespace(&g, &v.namespace, 1)?;
+                            }
+                            self.add_totals(&g, 0, 1)?;
+                        }
+                        None => {
+                            self.add_totals(&g, 1, 1)?;
+                            self.add_namespace(&g, &v.namespace, 1)?;
+                        }
+                    }
+                    self.put(key, v.encode());
+                    parent = Some(b.hash);
+                }
+            }
+            Event::Removed(r) => {
+                let row = self.ranks.entry(rank).or_default();
+                let Some(tgen) = row.tgen(&r.tier) else {
+                    self.counters.removed_not_live += r.block_hashes.len() as u64;
+                    return Ok(());
+                };
+                let g = GroupAt { dp_rank: rank, rgen: row.rgen, tier: r.tier.clone(), tgen, group: r.group };
+                for h in &r.block_hashes {
+                    let key = live_key(&g, *h).map_err(invalid)?;
+                    match self.get(&key)? {
+                        None => self.counters.removed_not_live += 1,
+                        Some(v) => {
+                            let copies = LiveValue::copies_of(&v).ok_or_else(|| self.bad("live block", &key))?;
+                            if copies > 1 {
+                                self.put(key, LiveValue::with_copies(&v, copies - 1));
+                                self.add_totals(&g, 0, -1)?;
+                            } else {
+                                let old = LiveValue::decode(&v, false).ok_or_else(|| self.bad("live block", &key))?;
+                                self.del(key);
+                                self.add_totals(&g, -1, -1)?;
+                                self.add_namespace(&g, &old.namespace, -1)?;
+                            }
+                        }
+                    }
+                }
+            }
+            Event::Cleared(c) => self.clear(rank, c.tier.as_ref()),
+        }
+        Ok(())
+    }
+
+    /// The sled batch: the overlay, changed rank rows, sweep markers and the totals.
+    fn into_batch(self, before: &BTreeMap<u32, RankRow>, sweeps: &BTreeSet<u32>) -> Result<sled::Batch, StoreError> {
+        let mut b = sled::Batch::default();
+        for (k, v) in self.overlay {
+            match v {
+                Some(v) => b.insert(k, v),
+                None => b.remove(k),
+            }
+        }
+        for (rank, row) in &self.ranks {
+            if before.get(rank) != Some(row) {
+                let v = encode_named(row).map_err(|detail| StoreError::Invalid { what: "rank row", detail })?;
+                b.insert(rank_key(P_RANK, *rank), v);
+            }
+        }
+        for rank in sweeps {
+            b.insert(rank_key(P_SWEEP, *rank), &self.counters.newest.to_be_bytes());
+        }
+        b.insert(&[P_COUNTERS], self.counters.encode());
+        Ok(b)
+    }
+}
+
+fn history_key(cursor: u64) -> Vec<u8> {
+    let mut k = Vec::with_capacity(9);
+    k.push(P_HISTORY);
+    k.extend_from_slice(&cursor.to_be_bytes());
+    k
+}
+
+fn rank_key(p: u8, rank: u32) -> Vec<u8> {
+    let mut k = Vec::with_capacity(5);
+    k.push(p);
+    k.extend_from_slice(&rank.to_be_bytes());
+    k
+}
+
+/// Removes a rank's dead keys (under an older rank or tier generation than its row holds) in
+/// bounded batches, then its sweep marker if no newer clear set it again meanwhile. Keys under a
+/// generation newer than the row read here are kept: generations only grow, so nothing live is
+/// ever removed.
+fn sweep(data: &sled::Tree, dir: &Path, rank: u32) -> Result<(), StoreError> {
+    let sl = |e| StoreError::sled("sweep", dir, e);
+    let marker = data.get(rank_key(P_SWEEP, rank)).map_err(sl)?;
+    let Some(row) = data.get(rank_key(P_RANK, rank)).map_err(sl)? else { return Ok(()) };
+    let row: RankRow =
+        decode_named(&row).map_err(|detail| StoreError::Decode { dir: dir.to_path_buf(), what: "rank row", detail })?;
+    let dead = |g: &GroupAt| g.rgen < row.rgen || (g.rgen == row.rgen && row.tgen(&g.tier).is_some_and(|t| g.tgen < t));
+    let mut removed = 0u64;
+    for p in [P_LIVE, P_SUMMARY, P_NAMESPACE] {
+        let mut batch = sled::Batch::default();
+        let mut n = 0;
+        for kv in data.scan_prefix(rank_key(p, rank)) {
+            let (k, _) = kv.map_err(sl)?;
+            if parse_group_key(&k).is_some_and(|(g, _)| dead(&g)) {
+                batch.remove(k);
+                n += 1;
+                if n == SWEEP_BATCH {
+                    data.apply_batch(std::mem::take(&mut batch)).map_err(sl)?;
+                    removed += n as u64;
+                    n = 0;
+                }
+            }
+        }
+        data.apply_batch(batch).map_err(sl)?;
+        removed += n as u64;
+    }
+    if let Some(m) = marker {
+        let _ = data.compare_and_swap(rank_key(P_SWEEP, rank), Some(m), None::<&[u8]>).map_err(sl)?;
+    }
+    tracing::debug!(rank, removed, "swept dead keys");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Block, Cleared, Group, Removed, Stored, TokenLayout};
+
+    fn stored(hashes: &[u64]) -> Event {
+        Event::Stored(Stored {
+            tier: Tier::Device,
+            group: Group::default(),
+            parent: None,
+            block_size: 4,
+            token_layout: TokenLayout::Single,
+            blocks: hashes.iter().map(|&hash| Block { hash, token_ids: vec![1, 2, 3, 4], extra_keys: None }).collect(),
+            namespace: Namespace::default(),
+            session_id: None,
+            ownership: None,
+            lookahead_token_ids: None,
+            block_mm_infos: None,
+        })
+    }
+
+    fn batch(seq: u64, events: Vec<Event>) -> RecordBody {
+        RecordBody::Batch { batch: Batch { dp_rank: 0, seq, ts: 0.0, events }, load: None }
+    }
+
+    #[test]
+    fn sweep_removes_only_dead_keys() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(StoreConfig::new(dir.path())).unwrap();
+        s.commit(batch(0, vec![stored(&[1, 2, 3])])).unwrap();
+        s.commit(batch(1, vec![Event::Cleared(Cleared { tier: None }), stored(&[4])])).unwrap();
+        s.commit(batch(
+            2,
+            vec![Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes: vec![1], ownership: None })],
+        ))
+        .unwrap();
+        // The sweeper runs in the background; wait for the marker to go.
+        let t0 = Instant::now();
+        while s.inner.data.get(rank_key(P_SWEEP, 0)).unwrap().is_some() {
+            assert!(t0.elapsed().as_secs() < 5, "sweep did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let live: Vec<_> = s.inner.data.scan_prefix([P_LIVE]).map(|kv| kv.unwrap().0).collect();
+        assert_eq!(live.len(), 1);
+        assert_eq!(s.live_stats(), LiveStats { blocks: 1, copies: 1, removed_not_live: 1, stored_already_live: 0 });
+    }
+}

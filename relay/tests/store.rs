@@ -1,0 +1,960 @@
+//! The durable store: bounds, copies, clears, epoch and format, snapshot against the reference
+//! semantics ([`LiveBlocks`]), filters, history ranges, the crash protocol, and a kill -9 drill.
+
+use kv_relay::live::{LiveBlocks, LiveKey};
+use kv_relay::model::*;
+use kv_relay::store::*;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+// ---------------------------------------------------------------- fixtures
+
+fn cfg(dir: &Path, max_batches: u64, max_bytes: u64) -> StoreConfig {
+    StoreConfig { dir: dir.to_path_buf(), limits: HistoryLimits { max_batches, max_bytes }, cache_bytes: 8 << 20 }
+}
+
+fn open(dir: &Path) -> Store {
+    Store::open(cfg(dir, u64::MAX, u64::MAX)).unwrap()
+}
+
+fn stored(tier: Tier, group: u32, parent: Option<u64>, hashes: &[u64]) -> Event {
+    Event::Stored(Stored {
+        tier,
+        group: Group { idx: group, kind: None, sliding_window: None },
+        parent,
+        block_size: 2,
+        token_layout: TokenLayout::Single,
+        blocks: hashes.iter().map(|&h| Block { hash: h, token_ids: vec![h as u32, 7], extra_keys: None }).collect(),
+        namespace: Namespace::default(),
+        session_id: None,
+        ownership: None,
+        lookahead_token_ids: None,
+        block_mm_infos: None,
+    })
+}
+
+fn removed(tier: Tier, group: u32, hashes: &[u64]) -> Event {
+    Event::Removed(Removed { tier, group, block_hashes: hashes.to_vec(), ownership: None })
+}
+
+fn cleared(tier: Option<Tier>) -> Event {
+    Event::Cleared(Cleared { tier })
+}
+
+fn batch(dp_rank: u32, seq: u64, events: Vec<Event>) -> RecordBody {
+    RecordBody::Batch { batch: Batch { dp_rank, seq, ts: seq as f64, events }, load: None }
+}
+
+fn control(dp_rank: u32, kind: ControlKind) -> RecordBody {
+    RecordBody::Control(Control { dp_rank, kind })
+}
+
+fn snapshot_all(s: &Store, filter: SnapshotFilter) -> (u64, Vec<SnapshotBlock>) {
+    let snap = s.snapshot(filter).unwrap();
+    let cursor = snap.cursor;
+    let mut out: Vec<SnapshotBlock> = Vec::new();
+    for chunk in snap {
+        out.extend(chunk.unwrap());
+    }
+    sort(&mut out);
+    (cursor, out)
+}
+
+fn sort(v: &mut [SnapshotBlock]) {
+    v.sort_by(|a, b| (a.dp_rank, &a.tier, a.group, a.hash).cmp(&(b.dp_rank, &b.tier, b.group, b.hash)));
+}
+
+/// (rank, tier, group, hash, copies)
+fn copies(s: &Store) -> Vec<(u32, Tier, u32, u64, u32)> {
+    snapshot_all(s, SnapshotFilter::all())
+        .1
+        .into_iter()
+        .map(|b| (b.dp_rank, b.tier, b.group, b.hash, b.copies))
+        .collect()
+}
+
+/// A block's parent, block size, namespace, token ids and layout.
+type Attrs = (Option<u64>, u32, Namespace, Vec<u32>, TokenLayout);
+
+/// The reference: [`LiveBlocks`] for what is live and its copies, plus each block's attributes
+/// as its latest store gave them.
+#[derive(Default)]
+struct Reference {
+    live: LiveBlocks,
+    attrs: BTreeMap<(LiveKey, u64), Attrs>,
+}
+
+impl Reference {
+    fn apply(&mut self, body: &RecordBody) {
+        match body {
+            RecordBody::Batch { batch, .. } => {
+                for e in &batch.events {
+                    if let Event::Stored(s) = e {
+                        let key = LiveKey { dp_rank: batch.dp_rank, tier: s.tier.clone(), group: s.group.idx };
+                        let mut parent = s.parent;
+                        for b in &s.blocks {
+                            let a = (parent, s.block_size, s.namespace.clone(), b.token_ids.clone(), s.token_layout);
+                            self.attrs.insert((key.clone(), b.hash), a);
+                            parent = Some(b.hash);
+                        }
+                    }
+                    self.live.apply_event(batch.dp_rank, e);
+                }
+            }
+            RecordBody::Control(Control { dp_rank, kind: ControlKind::RankReset { .. } }) => {
+                self.live.reset_rank(*dp_rank)
+            }
+            RecordBody::Control(_) => {}
+        }
+    }
+
+    fn snapshot(&self, filter: &SnapshotFilter) -> Vec<SnapshotBlock> {
+        let mut out = Vec::new();
+        for (key, set) in &self.live.blocks {
+            if filter.ranks.as_ref().is_some_and(|r| !r.contains(&key.dp_rank))
+                || filter.tiers.as_ref().is_some_and(|t| !t.contains(&key.tier))
+            {
+                continue;
+            }
+            for (&hash, &copies) in set {
+                let (parent, block_size, namespace, token_ids, token_layout) = self.attrs[&(key.clone(), hash)].clone();
+                out.push(SnapshotBlock {
+                    dp_rank: key.dp_rank,
+                    tier: key.tier.clone(),
+                    group: key.group,
+                    hash,
+                    parent,
+                    block_size,
+                    namespace,
+                    copies,
+                    token_ids: if filter.include_token_ids { token_ids } else { Vec::new() },
+                    token_layout,
+                });
+            }
+        }
+        sort(&mut out);
+        out
+    }
+
+    /// (rank, tier, group) -> (blocks, copies, distinct namespaces)
+    fn summary(&self) -> Vec<(u32, Tier, u32, u64, u64, u64)> {
+        let mut out: Vec<_> = self
+            .live
+            .blocks
+            .iter()
+            .map(|(k, set)| {
+                let ns: std::collections::BTreeSet<_> =
+                    set.keys().map(|h| format!("{:?}", self.attrs[&(k.clone(), *h)].2)).collect();
+                (
+                    k.dp_rank,
+                    k.tier.clone(),
+                    k.group,
+                    set.len() as u64,
+                    set.values().map(|&c| c as u64).sum(),
+                    ns.len() as u64,
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    }
+}
+
+fn summary(s: &Store) -> Vec<(u32, Tier, u32, u64, u64, u64)> {
+    let mut v: Vec<_> =
+        s.live_summary().into_iter().map(|g| (g.dp_rank, g.tier, g.group, g.blocks, g.copies, g.namespaces)).collect();
+    v.sort();
+    v
+}
+
+const TIERS: [fn() -> Tier; 4] = [|| Tier::Device, || Tier::Host, || Tier::Disk, || Tier::Other("LMCache".into())];
+
+/// A seeded random record: stores, removals and clears over few hashes (so copies and removals of
+/// absent blocks happen), several ranks, tiers, groups and namespaces, and rank controls.
+fn random_body(rng: &mut StdRng, dp_rank: u32, seq: u64, resets: bool) -> RecordBody {
+    let roll = rng.random_range(0..1000);
+    if resets && roll < 2 {
+        return control(dp_rank, ControlKind::RankReset { reason: "restart".into() });
+    }
+    if roll < 10 {
+        let kind = match rng.random_range(0..3) {
+            0 => ControlKind::RankDegraded { reason: "gap".into() },
+            1 => ControlKind::RankIncomplete { reason: "late".into() },
+            _ => ControlKind::RankRecovered,
+        };
+        return control(dp_rank, kind);
+    }
+    let n = rng.random_range(1..4);
+    let mut events = Vec::new();
+    for _ in 0..n {
+        let tier = TIERS[rng.random_range(0..TIERS.len())]();
+        let group = rng.random_range(0..2);
+        let k = rng.random_range(0..100);
+        if k < 55 {
+            let hashes: Vec<u64> =
+                (0..rng.random_range(1..5)).map(|_| rng.random_range(0..60u64) * 0x9e37_79b9).collect();
+            let namespace = match rng.random_range(0..4) {
+                0 => Namespace { lora_name: Some("adapter".into()), ..Default::default() },
+                1 => Namespace { cache_salt: Some(format!("salt{}", rng.random_range(0..3))), ..Default::default() },
+                2 => Namespace { lora_id: Some(-3), lora_name: Some("x".into()), cache_salt: Some("s".into()) },
+                _ => Namespace::default(),
+            };
+            let layout = if rng.random_bool(0.2) { TokenLayout::Bigram } else { TokenLayout::Single };
+            events.push(Event::Stored(Stored {
+                tier,
+                group: Group { idx: group, kind: Some("full_attention".into()), sliding_window: None },
+                parent: rng.random_bool(0.7).then(|| rng.random_range(0..1000)),
+                block_size: rng.random_range(1..32),
+                token_layout: layout,
+                blocks: hashes
+                    .iter()
+                    .map(|&hash| Block {
+                        hash,
+                        token_ids: (0..rng.random_range(0..6)).map(|_| rng.random()).collect(),
+                        extra_keys: rng.random_bool(0.1).then(|| KeyPart::List(vec![KeyPart::Str("ab".into())])),
+                    })
+                    .collect(),
+                namespace,
+                session_id: None,
+                ownership: None,
+                lookahead_token_ids: None,
+                block_mm_infos: None,
+            }));
+        } else if k < 95 {
+            let hashes: Vec<u64> =
+                (0..rng.random_range(1..5)).map(|_| rng.random_range(0..60u64) * 0x9e37_79b9).collect();
+            events.push(removed(tier, group, &hashes));
+        } else if k < 99 {
+            events.push(removed(tier, group, &[rng.random_range(0..60u64) * 0x9e37_79b9]));
+        } else if rng.random_bool(0.3) {
+            events.push(cleared(None));
+        } else {
+            events.push(cleared(Some(tier)));
+        }
+    }
+    batch(dp_rank, seq, events)
+}
+
+fn all_history(s: &Store) -> Vec<Record> {
+    let mut out = Vec::new();
+    let mut after = 0;
+    loop {
+        let page = s.history(after, 1000).unwrap();
+        let Some(last) = page.last() else { return out };
+        after = last.cursor;
+        out.extend(page);
+    }
+}
+
+// ---------------------------------------------------------------- bounds, copies, clears
+
+#[test]
+fn history_is_bounded_by_count_oldest_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg(dir.path(), 5, u64::MAX)).unwrap();
+    for seq in 0..12 {
+        s.commit(batch(0, seq, vec![stored(Tier::Device, 0, None, &[seq])])).unwrap();
+    }
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.oldest, st.newest), (5, Some(8), 12));
+    assert_eq!(s.oldest_cursor(), Some(8));
+    let cursors: Vec<u64> = s.history(0, 100).unwrap().iter().map(|r| r.cursor).collect();
+    assert_eq!(cursors, vec![8, 9, 10, 11, 12]);
+    // The snapshot keeps every block: trimming the history never touches it.
+    assert_eq!(copies(&s).len(), 12);
+}
+
+#[test]
+fn history_is_bounded_by_bytes_and_keeps_the_newest() {
+    let dir = tempfile::tempdir().unwrap();
+    let rec = control(0, ControlKind::RankRecovered);
+    let one = {
+        let s = Store::open(cfg(&dir.path().join("probe"), 10, u64::MAX)).unwrap();
+        s.commit(rec.clone()).unwrap();
+        s.history_stats().bytes
+    };
+    assert!(one > 10, "a record is {one} bytes");
+    let s = Store::open(cfg(&dir.path().join("a"), 100, 3 * one + one / 2)).unwrap();
+    for _ in 0..10 {
+        s.commit(rec.clone()).unwrap();
+    }
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.bytes, st.oldest, st.newest), (3, 3 * one, Some(8), 10));
+    // Count and bytes: whichever bound is hit first.
+    let s = Store::open(cfg(&dir.path().join("b"), 2, 3 * one)).unwrap();
+    for _ in 0..10 {
+        s.commit(rec.clone()).unwrap();
+    }
+    assert_eq!(s.history_stats().batches, 2);
+    // A record larger than the byte bound stays, alone, as the newest.
+    let s = Store::open(cfg(&dir.path().join("c"), 100, 1)).unwrap();
+    for _ in 0..3 {
+        s.commit(rec.clone()).unwrap();
+    }
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.bytes, st.oldest, st.newest), (1, one, Some(3), 3));
+}
+
+#[test]
+fn copies_are_counted_and_removals_of_absent_blocks_are_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    s.commit(batch(0, 0, vec![stored(Tier::Device, 0, None, &[1, 2]), stored(Tier::Device, 0, None, &[1])])).unwrap();
+    assert_eq!(copies(&s), vec![(0, Tier::Device, 0, 1, 2), (0, Tier::Device, 0, 2, 1)]);
+    s.commit(batch(0, 1, vec![removed(Tier::Device, 0, &[1])])).unwrap();
+    assert_eq!(copies(&s), vec![(0, Tier::Device, 0, 1, 1), (0, Tier::Device, 0, 2, 1)]);
+    s.commit(batch(0, 2, vec![removed(Tier::Device, 0, &[1, 1, 3]), removed(Tier::Host, 0, &[2])])).unwrap();
+    assert_eq!(copies(&s), vec![(0, Tier::Device, 0, 2, 1)]);
+    assert_eq!(s.live_stats(), LiveStats { blocks: 1, copies: 1, removed_not_live: 3, stored_already_live: 1 });
+    assert_eq!(summary(&s), vec![(0, Tier::Device, 0, 1, 1, 1)]);
+}
+
+#[test]
+fn clears_by_rank_and_tier_and_rank_reset() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    let fill = || {
+        let mut ev = Vec::new();
+        for t in [Tier::Device, Tier::Host] {
+            ev.push(stored(t.clone(), 0, None, &[10, 11]));
+            ev.push(stored(t, 1, None, &[12]));
+        }
+        ev
+    };
+    s.commit(batch(0, 0, fill())).unwrap();
+    s.commit(batch(1, 0, fill())).unwrap();
+    assert_eq!(copies(&s).len(), 12);
+    // AllBlocksCleared scoped to a tier: that tier of that rank only.
+    s.commit(batch(0, 1, vec![cleared(Some(Tier::Host))])).unwrap();
+    let left = copies(&s);
+    assert_eq!(left.len(), 9);
+    assert!(!left.iter().any(|b| b.0 == 0 && b.1 == Tier::Host));
+    // AllBlocksCleared without a tier: the rank.
+    s.commit(batch(1, 1, vec![cleared(None)])).unwrap();
+    assert_eq!(copies(&s).iter().map(|b| b.0).collect::<Vec<_>>(), vec![0, 0, 0]);
+    // A rank reset: the rank.
+    s.commit(control(0, ControlKind::RankReset { reason: "restart".into() })).unwrap();
+    assert_eq!(copies(&s), vec![]);
+    assert_eq!(summary(&s), vec![]);
+    // Blocks stored after a clear in the same commit live; before it, not.
+    s.commit_many(vec![
+        batch(
+            0,
+            0,
+            vec![stored(Tier::Host, 0, None, &[1]), cleared(Some(Tier::Host)), stored(Tier::Host, 0, None, &[2])],
+        ),
+        batch(0, 1, vec![stored(Tier::Host, 0, None, &[2])]),
+    ])
+    .unwrap();
+    assert_eq!(copies(&s), vec![(0, Tier::Host, 0, 2, 2)]);
+    assert_eq!(summary(&s), vec![(0, Tier::Host, 0, 1, 2, 1)]);
+    // And the same after a reopen (dead keys swept or not, they never show).
+    drop(s);
+    let s = open(dir.path());
+    assert_eq!(copies(&s), vec![(0, Tier::Host, 0, 2, 2)]);
+}
+
+// ---------------------------------------------------------------- epoch, format, errors
+
+#[test]
+fn epoch_is_kept_across_a_clean_reopen_and_renewed_on_a_wiped_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let (epoch, hist) = {
+        let s = open(dir.path());
+        assert_eq!((s.incarnation(), s.newest_cursor(), s.oldest_cursor()), (1, 0, None));
+        for seq in 0..3 {
+            s.commit(batch(0, seq, vec![stored(Tier::Device, 0, None, &[seq])])).unwrap();
+        }
+        (s.epoch(), s.history(0, 10).unwrap())
+    };
+    let s = open(dir.path());
+    assert_eq!(s.epoch(), epoch);
+    assert_eq!(s.incarnation(), 2);
+    assert_eq!(s.newest_cursor(), 3);
+    assert_eq!(s.history(0, 10).unwrap(), hist);
+    assert_eq!(copies(&s).len(), 3);
+    let next = s.commit(control(0, ControlKind::RankRecovered)).unwrap();
+    assert_eq!((next.cursor, next.incarnation), (4, 2));
+    drop(s);
+    std::fs::remove_dir_all(dir.path()).unwrap();
+    let s = open(dir.path());
+    assert_ne!(s.epoch(), epoch);
+    assert_eq!((s.incarnation(), s.newest_cursor()), (1, 0));
+}
+
+#[test]
+fn a_store_of_a_future_format_is_refused_with_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(open(dir.path()));
+    {
+        let db = sled::open(dir.path().join("sled")).unwrap();
+        db.open_tree("meta").unwrap().insert("format", &(FORMAT_VERSION + 1).to_be_bytes()[..]).unwrap();
+        db.flush().unwrap();
+    }
+    let err = Store::open(cfg(dir.path(), 10, 1 << 20)).unwrap_err();
+    assert!(
+        matches!(err, StoreError::IncompatibleFormat { found, supported, .. } if found == FORMAT_VERSION + 1 && supported == FORMAT_VERSION),
+        "{err:?}"
+    );
+    let msg = err.to_string();
+    assert_eq!(
+        msg,
+        format!(
+            "store in {} has format version 2, this relay reads version 1: refusing to open it (move the directory aside \
+             to start a new store)",
+            dir.path().display()
+        )
+    );
+    // Refused means untouched: still refused, nothing moved aside.
+    assert!(Store::open(cfg(dir.path(), 10, 1 << 20)).is_err());
+    assert!(dir.path().join("sled").exists());
+}
+
+#[test]
+fn an_unreadable_store_is_moved_aside_and_gets_a_new_epoch() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        // Data but no meta: not a store this relay wrote.
+        let db = sled::open(dir.path().join("sled")).unwrap();
+        db.open_tree("data").unwrap().insert("x", "y").unwrap();
+        db.flush().unwrap();
+    }
+    let s = open(dir.path());
+    assert_eq!((s.incarnation(), s.newest_cursor()), (1, 0));
+    let aside: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.starts_with("unreadable-"))
+        .collect();
+    assert_eq!(aside.len(), 1, "{aside:?}");
+}
+
+#[test]
+fn disk_errors_are_clear() {
+    let dir = tempfile::tempdir().unwrap();
+    // The state directory is a file: creating it fails.
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"x").unwrap();
+    let err = Store::open(cfg(&file, 10, 1 << 20)).unwrap_err();
+    assert!(matches!(err, StoreError::Io { .. }), "{err:?}");
+    assert!(
+        err.to_string().starts_with(&format!("i/o error in {} during create the state directory: ", file.display())),
+        "{err}"
+    );
+    // Open twice: the second is told the store is in use.
+    let s = open(&dir.path().join("s"));
+    let err = Store::open(cfg(&dir.path().join("s"), 10, 1 << 20)).unwrap_err();
+    assert_eq!(err.to_string(), format!("store in {} is in use by another process", dir.path().join("s").display()));
+    drop(s);
+}
+
+// ---------------------------------------------------------------- snapshot
+
+#[test]
+fn snapshot_equals_live_blocks_after_thousands_of_random_batches() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg(dir.path(), 500, u64::MAX)).unwrap();
+    let mut rng = StdRng::seed_from_u64(0x5eed);
+    let mut reference = Reference::default();
+    let mut seqs = [0u64; 3];
+    for i in 0..3000 {
+        let rank = rng.random_range(0..3u32);
+        let n = if i % 7 == 0 { rng.random_range(1..4) } else { 1 };
+        let bodies: Vec<RecordBody> = (0..n)
+            .map(|_| {
+                seqs[rank as usize] += 1;
+                random_body(&mut rng, rank, seqs[rank as usize], true)
+            })
+            .collect();
+        bodies.iter().for_each(|b| reference.apply(b));
+        if n == 1 {
+            s.commit(bodies.into_iter().next().unwrap()).unwrap();
+        } else {
+            s.commit_many(bodies).unwrap();
+        }
+        if i % 500 == 499 {
+            assert_eq!(
+                snapshot_all(&s, SnapshotFilter::all()).1,
+                reference.snapshot(&SnapshotFilter::all()),
+                "after {i}"
+            );
+        }
+    }
+    let (cursor, got) = snapshot_all(&s, SnapshotFilter::all());
+    assert_eq!(cursor, s.newest_cursor());
+    let want = reference.snapshot(&SnapshotFilter::all());
+    assert!(want.len() > 100, "a meaningful live set: {}", want.len());
+    assert!(want.iter().any(|b| b.copies > 1) && want.iter().any(|b| b.token_layout == TokenLayout::Bigram));
+    assert_eq!(got, want);
+    assert_eq!(summary(&s), reference.summary());
+    let st = s.live_stats();
+    assert_eq!(
+        (st.removed_not_live, st.stored_already_live),
+        (reference.live.removed_not_live, reference.live.stored_already_live)
+    );
+    // The same after a reopen.
+    drop(s);
+    let s = open(dir.path());
+    assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, want);
+    assert_eq!(summary(&s), reference.summary());
+}
+
+#[test]
+fn snapshot_filters_select_ranks_tiers_and_token_ids() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut reference = Reference::default();
+    for seq in 0..400 {
+        let b = random_body(&mut rng, (seq % 3) as u32, seq, false);
+        reference.apply(&b);
+        s.commit(b).unwrap();
+    }
+    let filters = [
+        SnapshotFilter { ranks: Some(vec![1]), tiers: None, include_token_ids: true },
+        SnapshotFilter {
+            ranks: Some(vec![0, 2]),
+            tiers: Some(vec![Tier::Host, Tier::Other("LMCache".into())]),
+            include_token_ids: true,
+        },
+        SnapshotFilter { ranks: None, tiers: Some(vec![Tier::Disk]), include_token_ids: false },
+        SnapshotFilter { ranks: Some(vec![9]), tiers: None, include_token_ids: true },
+        SnapshotFilter { ranks: None, tiers: None, include_token_ids: false },
+    ];
+    for f in filters {
+        let (_, got) = snapshot_all(&s, f.clone());
+        let want = reference.snapshot(&f);
+        assert_eq!(got.len(), want.len(), "{f:?}");
+        assert_eq!(got, want, "{f:?}");
+    }
+    // Chunks are bounded.
+    let mut snap = s.snapshot(SnapshotFilter::all()).unwrap();
+    snap.chunk_blocks = 7;
+    let total = snap.blocks;
+    let sizes: Vec<usize> = snap.map(|c| c.unwrap().len()).collect();
+    assert!(sizes.iter().all(|&n| n <= 7));
+    assert_eq!(sizes.iter().sum::<usize>() as u64, total);
+}
+
+#[test]
+fn a_snapshot_is_the_state_at_its_cursor_while_commits_go_on() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    let writer = {
+        let s = s.clone();
+        std::thread::spawn(move || {
+            let mut rng = StdRng::seed_from_u64(11);
+            for seq in 0..1500 {
+                s.commit(random_body(&mut rng, (seq % 2) as u32, seq, true)).unwrap();
+            }
+        })
+    };
+    let mut taken = Vec::new();
+    while !writer.is_finished() {
+        taken.push(snapshot_all(&s, SnapshotFilter::all()));
+        std::thread::sleep(std::time::Duration::from_millis(3));
+    }
+    writer.join().unwrap();
+    assert!(taken.len() >= 2);
+    // Replay the (untrimmed) history up to each snapshot's cursor.
+    let hist = all_history(&s);
+    let mut reference = Reference::default();
+    let mut applied = 0;
+    for (cursor, got) in taken {
+        while applied < cursor {
+            reference.apply(&hist[applied as usize].body);
+            applied += 1;
+        }
+        assert_eq!(got, reference.snapshot(&SnapshotFilter::all()), "snapshot at {cursor}");
+    }
+}
+
+// ---------------------------------------------------------------- history, cursors, ranks
+
+#[test]
+fn history_ranges_are_ascending_and_clamped_to_what_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg(dir.path(), 6, u64::MAX)).unwrap();
+    assert_eq!(s.history(0, 10).unwrap(), vec![]);
+    let recs = s.commit_many((0..10).map(|seq| batch(0, seq, vec![])).collect()).unwrap();
+    assert_eq!(recs.iter().map(|r| r.cursor).collect::<Vec<_>>(), (1..=10).collect::<Vec<_>>());
+    let cur = |after, limit| s.history(after, limit).unwrap().iter().map(|r| r.cursor).collect::<Vec<_>>();
+    assert_eq!(cur(0, 3), vec![5, 6, 7]);
+    assert_eq!(cur(6, 2), vec![7, 8]);
+    assert_eq!(cur(8, 100), vec![9, 10]);
+    assert_eq!(cur(10, 100), Vec::<u64>::new());
+    assert_eq!(cur(99, 100), Vec::<u64>::new());
+    assert_eq!(cur(u64::MAX, 1), Vec::<u64>::new());
+    assert_eq!(cur(4, 0), Vec::<u64>::new());
+    assert_eq!(s.history(9, 1).unwrap(), vec![recs[9].clone()]);
+}
+
+#[test]
+fn cursor_matches_tells_same_lost_and_trimmed() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = Store::open(cfg(dir.path(), 4, u64::MAX)).unwrap();
+        s.commit_many((0..3).map(|seq| batch(0, seq, vec![])).collect()).unwrap();
+        assert_eq!(s.cursor_matches(0, 1), CursorCheck::Same);
+        assert_eq!(s.cursor_matches(3, 1), CursorCheck::Same);
+        assert_eq!(s.cursor_matches(4, 1), CursorCheck::Lost);
+    }
+    // Cursors 4.. of incarnation 1 were never committed; incarnation 2 commits them.
+    let s = Store::open(cfg(dir.path(), 4, u64::MAX)).unwrap();
+    assert_eq!(s.incarnations(), BTreeMap::from([(1, 1), (2, 4)]));
+    s.commit_many((3..6).map(|seq| batch(0, seq, vec![])).collect()).unwrap();
+    assert_eq!(s.oldest_cursor(), Some(3));
+    let cases = [
+        (0, 7, CursorCheck::Same),
+        (1, 1, CursorCheck::Trimmed),
+        (2, 1, CursorCheck::Trimmed),
+        (3, 1, CursorCheck::Same),
+        (3, 2, CursorCheck::Lost),
+        (4, 1, CursorCheck::Lost),
+        (4, 2, CursorCheck::Same),
+        (6, 2, CursorCheck::Same),
+        (7, 2, CursorCheck::Lost),
+        (1, 2, CursorCheck::Lost),
+    ];
+    for (cursor, inc, want) in cases {
+        assert_eq!(s.cursor_matches(cursor, inc), want, "cursor {cursor} of incarnation {inc}");
+    }
+}
+
+#[test]
+fn rank_state_keeps_the_ingest_position_and_health() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let s = open(dir.path());
+        assert_eq!(s.rank_state(0), None);
+        s.commit(batch(0, 41, vec![])).unwrap();
+        s.commit(batch(1, 7, vec![])).unwrap();
+        s.commit(control(0, ControlKind::RankDegraded { reason: "gap of 3".into() })).unwrap();
+        s.commit(batch(0, 42, vec![])).unwrap();
+    }
+    let s = open(dir.path());
+    let want = RankCursor {
+        last_seq: Some(42),
+        last_ts: Some(42.0),
+        last_cursor: 4,
+        health: RankHealth::Degraded { reason: "gap of 3".into() },
+    };
+    assert_eq!(s.rank_state(0), Some(want));
+    assert_eq!(s.rank_state(1).unwrap().last_seq, Some(7));
+    s.commit(control(0, ControlKind::RankReset { reason: "seq went back".into() })).unwrap();
+    s.commit(control(0, ControlKind::RankRecovered)).unwrap();
+    let want = RankCursor { last_seq: None, last_ts: None, last_cursor: 6, health: RankHealth::Ok };
+    assert_eq!(s.rank_state(0), Some(want));
+    assert_eq!(s.rank_states().len(), 2);
+}
+
+#[tokio::test]
+async fn watch_newest_follows_commits() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    let mut rx = s.watch_newest();
+    assert_eq!(*rx.borrow(), 0);
+    s.commit_many(vec![batch(0, 0, vec![]), batch(0, 1, vec![])]).unwrap();
+    rx.changed().await.unwrap();
+    assert_eq!(*rx.borrow_and_update(), 2);
+}
+
+// ---------------------------------------------------------------- kill -9
+
+const CHILD_DIR: &str = "KV_RELAY_STORE_CRASH_DIR";
+const CHILD_SEED: &str = "KV_RELAY_STORE_CRASH_SEED";
+const CRASH_RANKS: u32 = 3;
+/// A rank's publisher "restarts" (a `RankReset`, then seq 0 again) every this many batches.
+const RESET_EVERY: u64 = 700;
+
+/// The body the deterministic stream holds for (rank, seq): the same in every run of the child.
+/// Always a batch, except a `RankReset` at [`RESET_EVERY`] (after which the rank starts at seq 0).
+fn crash_body(seed: u64, rank: u32, seq: u64) -> RecordBody {
+    if seq == RESET_EVERY {
+        return control(rank, ControlKind::RankReset { reason: "publisher restarted".into() });
+    }
+    let mut rng = StdRng::seed_from_u64(seed ^ ((rank as u64) << 40) ^ seq.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    match random_body(&mut rng, rank, seq, false) {
+        RecordBody::Control(_) => batch(rank, seq, vec![]),
+        RecordBody::Batch { batch, load } => RecordBody::Batch { batch: Batch { seq, ..batch }, load },
+    }
+}
+
+/// The (rank, seq) a record of the stream is at.
+fn stream_pos(r: &Record) -> (u32, u64) {
+    match &r.body {
+        RecordBody::Batch { batch, .. } => (batch.dp_rank, batch.seq),
+        RecordBody::Control(c) => (c.dp_rank, RESET_EVERY),
+    }
+}
+
+/// The next seq of a rank's stream, as a restarted relay computes it from the store.
+fn next_seq(st: Option<RankCursor>) -> u64 {
+    match st.and_then(|c| c.last_seq) {
+        Some(s) if s + 1 < RESET_EVERY => s + 1,
+        Some(_) => RESET_EVERY,
+        None => 0,
+    }
+}
+
+/// Not a test on its own: the child process of `kill_9_at_random_moments_…`. It commits the
+/// deterministic stream from where the store left each rank (as the relay refills from the
+/// engine), prints each committed cursor, and runs until it is killed.
+#[test]
+fn crash_child() {
+    let (Ok(dir), Ok(seed)) = (std::env::var(CHILD_DIR), std::env::var(CHILD_SEED)) else { return };
+    let seed: u64 = seed.parse().unwrap();
+    let s = open(Path::new(&dir));
+    let mut next: BTreeMap<u32, u64> = (0..CRASH_RANKS).map(|r| (r, next_seq(s.rank_state(r)))).collect();
+    println!("open {} {}", s.incarnation(), s.newest_cursor());
+    let mut step: u64 = s.newest_cursor();
+    loop {
+        step += 1;
+        let mut rng = StdRng::seed_from_u64(seed ^ step);
+        let n = rng.random_range(1..4);
+        let mut bodies = Vec::new();
+        for _ in 0..n {
+            let rank = rng.random_range(0..CRASH_RANKS);
+            let seq = next[&rank];
+            bodies.push(crash_body(seed, rank, seq));
+            next.insert(rank, if seq == RESET_EVERY { 0 } else { seq + 1 });
+        }
+        let recs = if n == 1 { vec![s.commit(bodies.pop().unwrap()).unwrap()] } else { s.commit_many(bodies).unwrap() };
+        println!("c {}", recs.last().unwrap().cursor);
+        if step.is_multiple_of(300) {
+            s.flush().unwrap();
+        }
+    }
+}
+
+#[test]
+fn kill_9_at_random_moments_keeps_the_store_consistent() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    let dir = tempfile::tempdir().unwrap();
+    let seed = 20_261_130u64;
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut prev_incarnation = 0u32;
+    let mut rounds_with_lost_tail = 0;
+    let rounds = 20;
+    for round in 0..rounds {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["crash_child", "--exact", "--nocapture", "--test-threads", "1"])
+            .env(CHILD_DIR, dir.path())
+            .env(CHILD_SEED, seed.to_string())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // (incarnation, newest at open, newest cursor the child saw committed)
+        let seen = Arc::new(Mutex::new((0u32, 0u64, 0u64)));
+        let (opened_tx, opened_rx) = std::sync::mpsc::channel();
+        let reader = {
+            let seen = seen.clone();
+            let out = child.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    // The harness prints `test crash_child ... ` before the first line.
+                    let line = line.find("open ").map_or(line.as_str(), |i| &line[i..]);
+                    let mut it = line.split(' ');
+                    match (it.next(), it.next(), it.next()) {
+                        (Some("open"), Some(i), Some(n)) => {
+                            let n = n.parse().unwrap();
+                            *seen.lock().unwrap() = (i.parse().unwrap(), n, n);
+                            let _ = opened_tx.send(());
+                        }
+                        (Some("c"), Some(c), None) => seen.lock().unwrap().2 = c.parse().unwrap(),
+                        _ => {}
+                    }
+                }
+            })
+        };
+        opened_rx.recv_timeout(Duration::from_secs(60)).expect("child opened the store");
+        let wait = Duration::from_millis(rng.random_range(0..500));
+        let t0 = Instant::now();
+        std::thread::sleep(wait);
+        child.kill().unwrap(); // SIGKILL
+        child.wait().unwrap();
+        reader.join().unwrap();
+        let (child_inc, child_open_newest, child_newest) = *seen.lock().unwrap();
+        assert_eq!(child_inc, prev_incarnation + 1, "round {round}: the child's open is a new incarnation");
+
+        let s = open(dir.path());
+        assert_eq!(s.incarnation(), child_inc + 1, "round {round}");
+        prev_incarnation = s.incarnation();
+        let newest = s.newest_cursor();
+        assert!(newest >= child_open_newest, "round {round}: nothing durable before the child was lost");
+        // History: contiguous from cursor 1 (never trimmed here) to the newest.
+        let hist = all_history(&s);
+        assert_eq!(hist.len() as u64, newest, "round {round}");
+        for (i, r) in hist.iter().enumerate() {
+            assert_eq!(r.cursor, i as u64 + 1, "round {round}: hole in the history");
+            assert!(r.incarnation >= 1 && r.incarnation <= child_inc, "round {round}");
+        }
+        // Every record is the stream's (rank, seq) element: nothing garbled, nothing reordered.
+        let mut last: BTreeMap<u32, u64> = BTreeMap::new();
+        for r in hist.iter().filter(|r| !matches!(&r.body, RecordBody::Control(c) if c.dp_rank == 99)) {
+            let (rank, seq) = stream_pos(r);
+            let expect_seq = last.get(&rank).map_or(0, |&s| if s == RESET_EVERY { 0 } else { s + 1 });
+            assert_eq!(seq, expect_seq, "round {round}: rank {rank} at cursor {}", r.cursor);
+            assert_eq!(r.body, crash_body(seed, rank, seq), "round {round}: cursor {}", r.cursor);
+            last.insert(rank, seq);
+        }
+        // The snapshot equals the replay of every durable record.
+        let mut reference = Reference::default();
+        hist.iter().for_each(|r| reference.apply(&r.body));
+        let (cursor, got) = snapshot_all(&s, SnapshotFilter::all());
+        assert_eq!(cursor, newest);
+        assert_eq!(got, reference.snapshot(&SnapshotFilter::all()), "round {round}");
+        assert_eq!(summary(&s), reference.summary(), "round {round}");
+        // Every rank's resume point is its last durable record.
+        for rank in 0..CRASH_RANKS {
+            let last_rec = hist.iter().rev().find(|r| stream_pos(r).0 == rank);
+            assert_eq!(s.rank_state(rank).map(|c| c.last_cursor), last_rec.map(|r| r.cursor), "round {round}");
+        }
+        // What the child committed but did not make durable is Lost for a subscriber that saw it.
+        if child_newest > newest {
+            rounds_with_lost_tail += 1;
+        }
+        for c in (newest + 1)..=child_newest.max(newest + 1) {
+            assert_eq!(s.cursor_matches(c, child_inc), CursorCheck::Lost, "round {round}: cursor {c}");
+        }
+        for r in hist.iter().rev().take(20) {
+            assert_eq!(s.cursor_matches(r.cursor, r.incarnation), CursorCheck::Same, "round {round}");
+        }
+        // The next commit takes the first lost cursor, under the new incarnation.
+        let r = s.commit(control(99, ControlKind::RankRecovered)).unwrap();
+        assert_eq!((r.cursor, r.incarnation), (newest + 1, s.incarnation()));
+        assert_eq!(s.cursor_matches(r.cursor, child_inc), CursorCheck::Lost);
+        assert_eq!(s.cursor_matches(r.cursor, s.incarnation()), CursorCheck::Same);
+        drop(s);
+        eprintln!(
+            "round {round}: killed after {:?}, child committed up to {child_newest}, durable {newest}",
+            t0.elapsed()
+        );
+    }
+    eprintln!("{rounds_with_lost_tail} of {rounds} rounds lost a tail");
+    assert!(rounds_with_lost_tail > 0, "no kill landed between a commit and its flush");
+}
+
+// ---------------------------------------------------------------- a full disk, a read-only disk
+
+/// A small tmpfs for the store (needs root and `mount`; the test says so and passes without).
+struct SmallDisk {
+    dir: tempfile::TempDir,
+}
+
+impl SmallDisk {
+    fn mount(size: &str) -> Option<SmallDisk> {
+        let dir = tempfile::tempdir().ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(dir.path())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            eprintln!("skipped: cannot mount a tmpfs here (needs root)");
+            return None;
+        }
+        Some(SmallDisk { dir })
+    }
+
+    fn remount(&self, opts: &str) {
+        let st = std::process::Command::new("mount")
+            .args(["-o", &format!("remount,{opts}")])
+            .arg(self.dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success());
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+#[test]
+fn a_full_disk_fails_the_commit_and_keeps_every_commit_before_it() {
+    let Some(disk) = SmallDisk::mount("6m") else { return };
+    let path = disk.dir.path().join("state");
+    let mut reference = Reference::default();
+    let mut durable = 0;
+    let err = {
+        let s = open(&path);
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut err = None;
+        for seq in 0..100_000u64 {
+            // Large records: many blocks with many tokens.
+            let hashes: Vec<u64> = (0..64).map(|j| seq * 64 + j).collect();
+            let mut body = batch(0, seq, vec![stored(Tier::Device, 0, None, &hashes)]);
+            if let RecordBody::Batch { batch, .. } = &mut body {
+                if let Event::Stored(st) = &mut batch.events[0] {
+                    st.blocks.iter_mut().for_each(|b| b.token_ids = (0..64).map(|_| rng.random()).collect());
+                }
+            }
+            match s.commit(body.clone()).and_then(|r| s.flush().map(|_| r)) {
+                Ok(r) => {
+                    reference.apply(&body);
+                    durable = r.cursor;
+                }
+                Err(e) => {
+                    err = Some(e);
+                    break;
+                }
+            }
+        }
+        let err = err.expect("the disk filled up");
+        // Once a write failed, the store refuses further commits until it is reopened.
+        let again = s.commit(control(0, ControlKind::RankRecovered)).unwrap_err();
+        assert!(
+            matches!(again, StoreError::Failed { .. }) || matches!(again, StoreError::DiskFull { .. }),
+            "{again:?}"
+        );
+        err
+    };
+    assert!(matches!(err, StoreError::DiskFull { .. }), "{err:?}");
+    let msg = err.to_string();
+    assert!(msg.starts_with(&format!("disk full in {} during ", path.display())), "{msg}");
+    assert!(msg.ends_with(": the store keeps its last durable state; free space and reopen it"), "{msg}");
+    assert!(durable > 0);
+    // With room again, the reopened store holds every commit that succeeded, and a consistent
+    // snapshot of them.
+    disk.remount("size=64m");
+    let s = open(&path);
+    assert!(s.newest_cursor() >= durable, "newest {} < durable {durable}", s.newest_cursor());
+    let hist = all_history(&s);
+    assert_eq!(hist.len() as u64, s.newest_cursor());
+    let mut replay = Reference::default();
+    hist.iter().for_each(|r| replay.apply(&r.body));
+    assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, replay.snapshot(&SnapshotFilter::all()));
+    if s.newest_cursor() == durable {
+        assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, reference.snapshot(&SnapshotFilter::all()));
+    }
+    s.commit(control(0, ControlKind::RankRecovered)).unwrap();
+}
+
+#[test]
+fn a_read_only_state_directory_is_a_clear_error() {
+    let Some(disk) = SmallDisk::mount("16m") else { return };
+    let path = disk.dir.path().join("state");
+    drop(open(&path));
+    disk.remount("ro");
+    let err = Store::open(cfg(&path, 10, 1 << 20)).unwrap_err();
+    assert!(matches!(err, StoreError::ReadOnly { .. }), "{err:?}");
+    assert!(
+        err.to_string().starts_with(&format!("store directory {} is read-only or not writable", path.display())),
+        "{err}"
+    );
+    disk.remount("rw");
+    let s = open(&path);
+    assert_eq!(s.incarnation(), 2);
+}
