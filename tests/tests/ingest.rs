@@ -391,3 +391,84 @@ fn a_restarted_relay_resets_a_rank_whose_publisher_changed_meanwhile() {
     wait_equal(&relay, &e);
     assert!(matches!(&controls_of(&relay, 0)[..], [ControlKind::RankReset { .. }]));
 }
+
+fn fixtures_dir() -> std::path::PathBuf {
+    let dir = std::env::var_os("KV_RELAY_FIXTURES")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
+    assert!(dir.is_dir(), "fixtures not found at {} (set KV_RELAY_FIXTURES)", dir.display());
+    dir
+}
+
+/// The manifest's `expected_refcounted`, keyed as the relay keys it, with the hybrid policy
+/// (a sliding-window group beside a full-attention group is not the relay's to hold).
+fn manifest_expected(m: &serde_json::Value, window_groups: &[(u32, u32)]) -> BTreeMap<LiveKey, BTreeMap<u64, u32>> {
+    let mut out: BTreeMap<LiveKey, BTreeMap<u64, u32>> = BTreeMap::new();
+    for e in m["expected_refcounted"].as_array().unwrap() {
+        let rank = e["dp_rank"].as_u64().unwrap() as u32;
+        let group = e["group_idx"].as_u64().map(|g| g as u32);
+        if group.is_some_and(|g| window_groups.contains(&(rank, g))) {
+            continue;
+        }
+        let key = LiveKey { dp_rank: rank, tier: Tier::from_medium(e["medium"].as_str()), group: group.unwrap_or(0) };
+        let into = out.entry(key).or_default();
+        for (h, c) in e["block_hashes"].as_array().unwrap().iter().zip(e["counts"].as_array().unwrap()) {
+            *into.entry(h.as_u64().unwrap()).or_default() += c.as_u64().unwrap() as u32;
+        }
+    }
+    out
+}
+
+/// Every capture and golden stream, played by the mock engine at full speed with the relay
+/// already subscribed, leaves the relay's state equal to the manifest's expected live blocks
+/// (copies counted) — through slow joiners, replay refills and vllm-restart's publisher restart.
+#[test]
+fn captures_played_by_the_mock_engine_leave_the_relay_equal_to_each_manifest() {
+    use kv_relay_testkit::capture::{play, ranks_needed, read_capture};
+    let dir = fixtures_dir();
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.unwrap().file_name().into_string().unwrap().strip_suffix(".manifest.json").map(str::to_owned))
+        .collect();
+    names.sort();
+    assert_eq!(names.len(), 22);
+    for name in names {
+        let m: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.manifest.json"))).unwrap()).unwrap();
+        let lines = read_capture(&dir.join(format!("{name}.jsonl"))).unwrap();
+        let engine_kind = if m["engine"].as_str().unwrap().contains("sglang") { Engine::Sglang } else { Engine::Vllm };
+        let wire =
+            WireVersion::parse(engine_kind, if engine_kind == Engine::Sglang { "0.5.23" } else { "0.32" }).unwrap();
+        let e = engine(wire, ranks_needed(&lines), true, 10_000);
+        let mut cfg = relay_cfg(&e);
+        cfg.topic = String::new();
+        let relay = Relay::start(cfg, BTreeMap::new());
+        // vllm-hybrid's group 0 is its sliding-window group (`kv_cache_spec_kind` on its stores;
+        // relay/tests/fixtures.rs derives it from the wire), beside full-attention group 1.
+        let window: Vec<(u32, u32)> = if name == "vllm-hybrid" { vec![(0, 0)] } else { vec![] };
+        let report = play(&e, &lines, false, &std::sync::atomic::AtomicBool::new(false)).unwrap();
+        let want = manifest_expected(&m, &window);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let got = relay.seen.lock().unwrap().live.blocks.clone();
+            if got == want {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{name}: relay never equalled the manifest\n got {got:?}\nwant {want:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(report.restarts, m["counts"]["restarts_detected"].as_u64().unwrap_or(0), "{name}");
+        let resets = relay
+            .seen
+            .lock()
+            .unwrap()
+            .controls
+            .iter()
+            .filter(|(_, k)| matches!(k, ControlKind::RankReset { .. }))
+            .count() as u64;
+        assert_eq!(resets, report.restarts, "{name}: resets");
+    }
+}
