@@ -2,7 +2,8 @@
 //! validated whole before any socket is bound or the store is opened.
 
 use crate::ingest::{endpoint, IngestConfig};
-use clap::Parser;
+use crate::server::{ServerConfig, TlsConfig};
+use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -15,6 +16,10 @@ use std::time::Duration;
     about = "Relays an inference engine's KV-cache events to KV-aware routers, losslessly"
 )]
 pub struct Args {
+    /// A TOML file of settings (keys as the flags, in snake_case; see `docs/configuration.md`).
+    /// Flags and environment variables override it.
+    #[arg(long, env = "KV_RELAY_CONFIG", value_name = "FILE")]
+    pub config: Option<PathBuf>,
     /// The engine's PUB endpoint of DP rank 0 (rank r: port + r, or `_dp{r}` for inproc).
     #[arg(long, env = "KV_RELAY_ENDPOINT", default_value = "tcp://127.0.0.1:5557")]
     pub endpoint: String,
@@ -67,6 +72,49 @@ pub struct Args {
     /// Log format: `text` or `json`.
     #[arg(long, env = "KV_RELAY_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
+    /// The gRPC server's TLS certificate chain (PEM); with `--server-tls-key`, the server speaks TLS.
+    #[arg(long, env = "KV_RELAY_SERVER_TLS_CERT", value_name = "FILE")]
+    pub server_tls_cert: Option<PathBuf>,
+    /// The gRPC server's TLS private key (PEM).
+    #[arg(long, env = "KV_RELAY_SERVER_TLS_KEY", value_name = "FILE")]
+    pub server_tls_key: Option<PathBuf>,
+    /// A CA (PEM): clients must present a certificate it signed (mutual TLS).
+    #[arg(long, env = "KV_RELAY_SERVER_TLS_CLIENT_CA", value_name = "FILE")]
+    pub server_tls_client_ca: Option<PathBuf>,
+    /// A file holding the bearer token every `Relay` call must carry (health stays open).
+    #[arg(long, env = "KV_RELAY_SERVER_TOKEN_FILE", value_name = "FILE")]
+    pub server_token_file: Option<PathBuf>,
+    /// Subscribe and Snapshot requests per second per client IP.
+    #[arg(long, env = "KV_RELAY_SERVER_RATE_PER_SECOND", default_value_t = 10)]
+    pub server_rate_per_second: u32,
+    /// Burst of Subscribe and Snapshot requests per client IP.
+    #[arg(long, env = "KV_RELAY_SERVER_RATE_BURST", default_value_t = 20)]
+    pub server_rate_burst: u32,
+    /// Subscribe streams open at once, whole relay.
+    #[arg(long, env = "KV_RELAY_SERVER_MAX_SUBSCRIBERS", default_value_t = 256)]
+    pub server_max_subscribers: usize,
+    /// Snapshots being sent at once, whole relay.
+    #[arg(long, env = "KV_RELAY_SERVER_MAX_SNAPSHOTS", default_value_t = 8)]
+    pub server_max_snapshots: usize,
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+/// What the binary does besides running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Subcommand)]
+pub enum Command {
+    /// Validates the configuration, prints the effective settings as TOML (secrets redacted) and
+    /// exits: 0 when valid, 64 when not.
+    CheckConfig,
+}
+
+/// Where the server's TLS material and token were read from (what `check-config` shows).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ServerFiles {
+    pub tls_cert: Option<PathBuf>,
+    pub tls_key: Option<PathBuf>,
+    pub tls_client_ca: Option<PathBuf>,
+    pub token_file: Option<PathBuf>,
 }
 
 /// A setting that cannot work, with why.
@@ -94,6 +142,10 @@ pub struct Config {
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     pub json_logs: bool,
+    /// The gRPC server's settings, TLS files and token read (its `listen` is [`Config::listen`]).
+    pub server: ServerConfig,
+    /// The files [`Config::server`] was read from.
+    pub server_files: ServerFiles,
 }
 
 impl Args {
@@ -170,6 +222,7 @@ impl Args {
                 })
             })
             .unwrap_or_else(|| PathBuf::from("./kv-relay-state"));
+        let (server, server_files) = self.server()?;
         Ok(Config {
             ingest: IngestConfig {
                 endpoint: self.endpoint.clone(),
@@ -190,7 +243,84 @@ impl Args {
             listen: self.listen,
             metrics_listen,
             json_logs,
+            server,
+            server_files,
         })
+    }
+
+    /// The server's settings; reads the TLS files and the token so a bad path fails here.
+    fn server(&self) -> Result<(ServerConfig, ServerFiles), ConfigError> {
+        let read = |setting: &'static str, p: &PathBuf| {
+            std::fs::read(p).map_err(|e| bad(setting, format!("reading {}: {e}", p.display())))
+        };
+        let pem = |setting: &'static str, p: &PathBuf| {
+            let b = read(setting, p)?;
+            if !b.windows(11).any(|w| w == b"-----BEGIN ") {
+                return Err(bad(setting, format!("{} is not PEM (no -----BEGIN line)", p.display())));
+            }
+            Ok(b)
+        };
+        let tls = match (&self.server_tls_cert, &self.server_tls_key) {
+            (Some(c), Some(k)) => Some(TlsConfig {
+                cert_pem: pem("server-tls-cert", c)?,
+                key_pem: pem("server-tls-key", k)?,
+                client_ca_pem: self
+                    .server_tls_client_ca
+                    .as_ref()
+                    .map(|p| pem("server-tls-client-ca", p))
+                    .transpose()?,
+            }),
+            (Some(_), None) => return Err(bad("server-tls-key", "server-tls-cert is set without a key")),
+            (None, Some(_)) => return Err(bad("server-tls-cert", "server-tls-key is set without a certificate")),
+            (None, None) if self.server_tls_client_ca.is_some() => {
+                return Err(bad("server-tls-client-ca", "client certificates need TLS: set server-tls-cert and -key"))
+            }
+            (None, None) => None,
+        };
+        let bearer_token = match &self.server_token_file {
+            Some(p) => {
+                let raw = read("server-token-file", p)?;
+                let t = String::from_utf8(raw)
+                    .map_err(|_| bad("server-token-file", format!("{} is not UTF-8", p.display())))?
+                    .trim()
+                    .to_string();
+                if t.is_empty() {
+                    return Err(bad("server-token-file", format!("{} is empty", p.display())));
+                }
+                if !t.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(bad("server-token-file", "the token must be printable ASCII without spaces"));
+                }
+                Some(t)
+            }
+            None => None,
+        };
+        for (setting, v) in [
+            ("server-rate-per-second", self.server_rate_per_second as usize),
+            ("server-rate-burst", self.server_rate_burst as usize),
+            ("server-max-subscribers", self.server_max_subscribers),
+            ("server-max-snapshots", self.server_max_snapshots),
+        ] {
+            if v == 0 {
+                return Err(bad(setting, "must be at least 1"));
+            }
+        }
+        let server = ServerConfig {
+            listen: self.listen,
+            tls,
+            bearer_token,
+            rate_per_second: self.server_rate_per_second,
+            rate_burst: self.server_rate_burst,
+            max_subscribers: self.server_max_subscribers,
+            max_snapshots: self.server_max_snapshots,
+            ..ServerConfig::default()
+        };
+        let files = ServerFiles {
+            tls_cert: self.server_tls_cert.clone(),
+            tls_key: self.server_tls_key.clone(),
+            tls_client_ca: self.server_tls_client_ca.clone(),
+            token_file: self.server_token_file.clone(),
+        };
+        Ok((server, files))
     }
 }
 
