@@ -537,3 +537,53 @@ fn clear_with_next_batch_rides_in_front_of_the_next_step() {
     assert_eq!(events.len(), 2);
     assert_eq!(engine.truth().copies(), req.len() as u64);
 }
+
+#[test]
+fn faults_racing_a_running_generator_keep_the_truth_equal_to_the_walk() {
+    use kv_relay_testkit::generate::{generate, GenerateOptions};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    let engine = Arc::new(engine_with(sglang(), 2, |c| {
+        c.cache_blocks = 32;
+        c.block_size = 4;
+        c.buffer_steps = 50;
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    let gen = {
+        let (engine, stop) = (engine.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut src = RandomSource::new(13, 4, 8);
+            let opts = GenerateOptions { clear_probability: 0.01, seed: 13, ..Default::default() };
+            generate(&engine, &mut src, &opts, &stop)
+        })
+    };
+    let progressed = |rank: u32, past: u64| {
+        wait_for(T, || {
+            engine.flush().ok()?;
+            (engine.stats(rank).ok()?.next_seq > past).then_some(())
+        })
+        .is_some()
+    };
+    assert!(progressed(0, 20));
+    engine.drop_on_wire(0, 7).unwrap();
+    engine.lose(1, 2).unwrap();
+    engine.restart(1).unwrap();
+    engine.garbage(0, Garbage::MalformedEvent).unwrap();
+    engine.stop(0).unwrap();
+    assert!(progressed(1, 20));
+    engine.start_rank(0).unwrap();
+    engine.pause();
+    engine.resume();
+    assert!(progressed(0, 20));
+    stop.store(true, Ordering::SeqCst);
+    let served = gen.join().unwrap().unwrap();
+    assert!(served > 40);
+    engine.flush().unwrap();
+    assert_eq!(engine.truth(), walk_records(&engine));
+    for rank in 0..2 {
+        let live: std::collections::BTreeSet<u64> =
+            engine.truth().rank(rank).blocks.values().flat_map(|m| m.keys().copied()).collect();
+        assert_eq!(live, engine.cache_hashes(rank).unwrap(), "rank {rank}");
+    }
+}
