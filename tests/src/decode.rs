@@ -77,12 +77,9 @@ pub fn decode_event(v: &Value) -> Result<WireEvent, String> {
                 "AllBlocksCleared" => Ok(WireEvent::Cleared),
                 "BlockStored" => Ok(WireEvent::Stored {
                     hashes: hashes(items.get(1))?,
-                    // index 6 may be the salt metadata map only at index 7, never 6
+                    // SGLang's 0.5.18 salt metadata sits at index 7, so 6 is always medium.
                     medium: opt_string(items.get(6))?,
-                    group_idx: match items.get(9) {
-                        Some(Value::Integer(_)) | Some(Value::Nil) | None => opt_u32(items.get(9))?,
-                        Some(_) => None,
-                    },
+                    group_idx: opt_u32(items.get(9))?,
                 }),
                 "BlockRemoved" => Ok(WireEvent::Removed {
                     hashes: hashes(items.get(1))?,
