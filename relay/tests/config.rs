@@ -397,3 +397,25 @@ fn the_annotated_example_in_deploy_is_valid_and_complete() {
     }
     assert!(text.contains("dp_size = "));
 }
+
+#[test]
+fn the_kubernetes_sidecars_configuration_loads() {
+    let env = Env::new();
+    let manifest = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kubernetes/vllm-with-kv-relay.yaml");
+    let yaml = std::fs::read_to_string(manifest).unwrap();
+    // The ConfigMap's `relay.toml: |` block, unindented.
+    let block: Vec<&str> = yaml
+        .lines()
+        .skip_while(|l| l.trim() != "relay.toml: |")
+        .skip(1)
+        .take_while(|l| l.starts_with("    ") || l.trim().is_empty())
+        .map(|l| l.strip_prefix("    ").unwrap_or(""))
+        .collect();
+    assert!(block.len() > 5, "no relay.toml in {manifest}");
+    let file = env.config(&block.join("\n"));
+    let c = load_ok(&["--config", &file]);
+    assert_eq!(c.ingest.replay_endpoint.as_deref(), Some("tcp://127.0.0.1:5567"));
+    assert_eq!(c.listen, "0.0.0.0:50051".parse().unwrap());
+    assert_eq!(c.state_dir, PathBuf::from("/var/lib/kv-relay"));
+    assert!(c.json_logs);
+}
