@@ -67,7 +67,7 @@ fn main() -> anyhow::Result<()> {
                     }
                 }
                 n += 1;
-                if n % 200 == 0 {
+                if n.is_multiple_of(200) {
                     // Now and then the wire loses a few batches: the relay refills them.
                     let _ = engine.drop_on_wire((n / 200 % 2) as u32, 5);
                 }
