@@ -144,10 +144,11 @@ pub struct IndexStats {
     pub replaces: u64,
 }
 
-/// One shard's writer lock, alone on its cache line so writers of different shards do not
-/// contend. Lookups never take it.
+/// One shard's writer lock, holding the shard's current table (the one also published in
+/// `tables`) so writers need no `ArcSwap` load. Alone on its cache line so writers of
+/// different shards do not contend. Lookups never take it.
 #[repr(align(64))]
-struct ShardLock(Mutex<()>);
+struct ShardLock(Mutex<Arc<Table>>);
 
 /// The shards' tables, published together so a lookup loads them with one `ArcSwap` load.
 type Tables = Box<[Arc<Table>]>;
@@ -260,10 +261,11 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let n = config.shards.max(1).next_power_of_two();
         let per_shard = config.initial_capacity / n;
+        let tables: Tables = (0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect();
         Self {
-            tables: ArcSwap::from_pointee((0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect()),
+            shard_locks: tables.iter().map(|t| ShardLock(Mutex::new(t.clone()))).collect(),
+            tables: ArcSwap::from_pointee(tables),
             publish: Mutex::new(()),
-            shard_locks: (0..n).map(|_| ShardLock(Mutex::new(()))).collect(),
             shard_mask: n - 1,
             gens: Generations { chunks: [const { OnceLock::new() }; 14] },
             swap_seq: AtomicU64::new(0),
@@ -298,11 +300,13 @@ impl PrefixIndex {
         self.tiers.intern(name)
     }
 
-    /// Replaces shard `s`'s table. Caller holds shard `s`'s lock.
-    fn publish(&self, s: usize, table: Table) {
+    /// Replaces shard `s`'s table: `current` is the guard of shard `s`'s lock.
+    fn publish(&self, s: usize, current: &mut Arc<Table>, table: Table) {
+        let table = Arc::new(table);
+        *current = table.clone();
         let _p = lock(&self.publish);
         let mut next: Vec<Arc<Table>> = self.tables.load().iter().cloned().collect();
-        next[s] = Arc::new(table);
+        next[s] = table;
         self.tables.store(Arc::new(next.into_boxed_slice()));
     }
 
@@ -327,9 +331,7 @@ impl PrefixIndex {
     /// Adds copies under the shard's lock, rebuilding the shard's table when it is full.
     fn add(&self, p: &Probe, holder: u64, copies: u32) {
         let s = p.shard(self.shard_mask);
-        let _w = lock(&self.shard_locks[s].0);
-        let tables = self.tables.load();
-        let table = &tables[s];
+        let mut table = lock(&self.shard_locks[s].0);
         let added = match table.add(p, holder, copies) {
             Added::Done { saturated } => saturated,
             Added::Full => {
@@ -337,7 +339,7 @@ impl PrefixIndex {
                 let Added::Done { saturated } = bigger.add(p, holder, copies) else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
                 };
-                self.publish(s, bigger);
+                self.publish(s, &mut table, bigger);
                 saturated
             }
         };
@@ -349,10 +351,10 @@ impl PrefixIndex {
     /// Tombstones the entries matching `drop` in every shard, compacting shards left sparse.
     fn remove_where(&self, drop: impl Fn(u64) -> bool) {
         for (s, shard_lock) in self.shard_locks.iter().enumerate() {
-            let _w = lock(&shard_lock.0);
-            let table = self.tables.load()[s].clone();
+            let mut table = lock(&shard_lock.0);
             if table.remove_where(&drop) > 0 && table.wants_compaction() {
-                self.publish(s, table.rebuilt(0));
+                let smaller = table.rebuilt(0);
+                self.publish(s, &mut table, smaller);
             }
         }
     }
@@ -384,9 +386,7 @@ impl PrefixIndex {
             let probes = &probes[..chunk.len()];
             Self::touch(&self.tables.load(), self.shard_mask, probes);
             for p in probes {
-                let s = p.shard(self.shard_mask);
-                let _s = lock(&self.shard_locks[s].0);
-                if self.tables.load()[s].sub(p, holder) {
+                if lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder) {
                     out.removed += 1;
                 } else {
                     out.missing += 1;
