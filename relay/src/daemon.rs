@@ -134,25 +134,36 @@ fn engine_name(cfg: &Config) -> String {
     format!("{} ({} ranks)", cfg.ingest.endpoint, cfg.ingest.dp_ranks.len())
 }
 
+/// Most records committed in one sled transaction: what is already queued when the committer
+/// wakes, up to this many, goes in together.
+const COMMIT_GROUP: usize = 256;
+
 fn commit_loop(mut rx: mpsc::Receiver<IngestItem>, store: Store, loads: Arc<RwLock<Loads>>, status: RelayStatusHandle) {
-    while let Some(item) = rx.blocking_recv() {
-        let mut committed_batch = None;
-        let body = match item {
-            IngestItem::Batch { batch, .. } => {
-                let load = ingest::load::for_rank(&loads.read().expect("loads"), batch.dp_rank);
-                committed_batch = Some((batch.dp_rank, batch.seq, batch.ts));
-                RecordBody::Batch { batch, load }
+    let mut group: Vec<RecordBody> = Vec::with_capacity(COMMIT_GROUP);
+    let mut batches: Vec<(u32, u64, f64)> = Vec::with_capacity(COMMIT_GROUP);
+    while let Some(first) = rx.blocking_recv() {
+        let mut next = Some(first);
+        while let Some(item) = next.take() {
+            group.push(match item {
+                IngestItem::Batch { batch, .. } => {
+                    let load = ingest::load::for_rank(&loads.read().expect("loads"), batch.dp_rank);
+                    batches.push((batch.dp_rank, batch.seq, batch.ts));
+                    RecordBody::Batch { batch, load }
+                }
+                IngestItem::Control(c) => RecordBody::Control(c),
+            });
+            if group.len() < COMMIT_GROUP {
+                next = rx.try_recv().ok();
             }
-            IngestItem::Control(c) => RecordBody::Control(c),
-        };
+        }
         let started = Instant::now();
         let mut backoff = Duration::from_millis(50);
         loop {
-            match store.commit(body.clone()) {
+            match store.commit_many(group.clone()) {
                 Ok(_) => break,
                 Err(e) => {
                     status.add("store_errors", 1);
-                    // Keep the item and retry: the queue backs up onto the engine's sockets.
+                    // Keep the records and retry: the queue backs up onto the engine's sockets.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -160,8 +171,11 @@ fn commit_loop(mut rx: mpsc::Receiver<IngestItem>, store: Store, loads: Arc<RwLo
             }
         }
         metrics::histogram!("kv_relay_commit_seconds").record(started.elapsed().as_secs_f64());
-        if let Some((rank, seq, ts)) = committed_batch {
-            let lag_ms = (now_ms() as f64 - ts * 1000.0).max(0.0) as u64;
+        metrics::histogram!("kv_relay_commit_group_records").record(group.len() as f64);
+        group.clear();
+        let now = now_ms() as f64;
+        for (rank, seq, ts) in batches.drain(..) {
+            let lag_ms = (now - ts * 1000.0).max(0.0) as u64;
             metrics::gauge!("kv_relay_ingest_lag_seconds", "rank" => rank.to_string()).set(lag_ms as f64 / 1000.0);
             status.batch_committed(rank, seq, lag_ms);
         }

@@ -192,3 +192,24 @@ pub fn sync_sub(engine: &MockEngine, rank: u32, sub: &Sub) {
     }
     // Later probes still in flight are skipped by `Sub::recv`.
 }
+
+/// Starts `cfg` on free loopback ports: PUB at `base + rank`, replay (when `replay`) at the next
+/// block of `dp_size` ports. Ports found free can be taken before the engine binds them, so a
+/// failed start is retried on other ports.
+pub fn start_engine_on_free_ports(
+    mut cfg: crate::engine::EngineConfig,
+    replay: bool,
+) -> crate::engine::MockEngine {
+    let n = cfg.dp_size.max(1) as u16;
+    let mut last_err = None;
+    for _ in 0..20 {
+        let base = free_ports(2 * n);
+        cfg.endpoint = format!("tcp://127.0.0.1:{base}");
+        cfg.replay_endpoint = replay.then(|| format!("tcp://127.0.0.1:{}", base + n));
+        match crate::engine::MockEngine::start(cfg.clone()) {
+            Ok(e) => return e,
+            Err(e) => last_err = Some(e),
+        }
+    }
+    panic!("cannot start a mock engine on free loopback ports: {last_err:?}");
+}

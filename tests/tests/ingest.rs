@@ -13,25 +13,15 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Starts a mock engine on a free block of loopback ports (rank r: base + r, replay: base + 50 + r).
+/// Starts a mock engine on free loopback ports.
 fn engine(wire: WireVersion, dp_size: u32, replay: bool, buffer_steps: usize) -> MockEngine {
-    let mut seed = std::process::id() as u64 * 7919 + Instant::now().elapsed().as_nanos() as u64;
-    for _ in 0..50 {
-        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let base = 20_000 + (seed >> 33) % 30_000;
-        let mut cfg = EngineConfig::new(wire);
-        cfg.dp_size = dp_size;
-        cfg.endpoint = format!("tcp://127.0.0.1:{base}");
-        cfg.replay_endpoint = replay.then(|| format!("tcp://127.0.0.1:{}", base + 50));
-        cfg.topic = "kv".into();
-        cfg.buffer_steps = buffer_steps;
-        cfg.block_size = 4;
-        cfg.cache_blocks = 64;
-        if let Ok(e) = MockEngine::start(cfg) {
-            return e;
-        }
-    }
-    panic!("no free loopback ports");
+    let mut cfg = EngineConfig::new(wire);
+    cfg.dp_size = dp_size;
+    cfg.topic = "kv".into();
+    cfg.buffer_steps = buffer_steps;
+    cfg.block_size = 4;
+    cfg.cache_blocks = 64;
+    kv_relay_testkit::client::start_engine_on_free_ports(cfg, replay)
 }
 
 fn vllm() -> WireVersion {

@@ -1,0 +1,208 @@
+//! The whole daemon, in-process (`kv_relay::daemon::run`), beside the mock engine: a gRPC
+//! subscriber rebuilds the engine's state exactly, and the engine's load arrives on batches and
+//! on heartbeats.
+
+use kv_relay::ctl::{self, Target};
+use kv_relay::live::{LiveBlocks, LiveKey};
+use kv_relay::model::{ControlKind, RecordBody, Tier};
+use kv_relay::server::convert;
+use kv_relay_proto::pb;
+use kv_relay_testkit::client::start_engine_on_free_ports;
+use kv_relay_testkit::engine::{EngineConfig, MockEngine};
+use kv_relay_testkit::metrics::Load as EngineLoad;
+use kv_relay_testkit::traffic::{RandomSource, RequestSource};
+use kv_relay_testkit::truth::Truth;
+use kv_relay_testkit::wire::{Engine, WireVersion};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+fn truth_as_live(t: &Truth) -> BTreeMap<LiveKey, BTreeMap<u64, u32>> {
+    let mut out: BTreeMap<LiveKey, BTreeMap<u64, u32>> = BTreeMap::new();
+    for (k, set) in &t.blocks {
+        let key =
+            LiveKey { dp_rank: k.rank, tier: Tier::from_medium(k.medium.as_deref()), group: k.group.unwrap_or(0) };
+        let into = out.entry(key).or_default();
+        for (h, c) in set {
+            *into.entry(*h).or_default() += c;
+        }
+    }
+    out
+}
+
+struct Daemon {
+    url: String,
+    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), kv_relay::daemon::DaemonError>>,
+    _dir: tempfile::TempDir,
+}
+
+async fn start_relay(e: &MockEngine, extra: &[&str]) -> Daemon {
+    let dir = tempfile::tempdir().unwrap();
+    let c = e.config();
+    let metrics = format!("http://{}/metrics", e.metrics_addr().unwrap());
+    let state = dir.path().join("state").display().to_string();
+    let dp = c.dp_size.to_string();
+    let mut argv = vec![
+        "kv-relay",
+        "--endpoint",
+        &c.endpoint,
+        "--dp-size",
+        &dp,
+        "--topic",
+        &c.topic,
+        "--engine-metrics-url",
+        &metrics,
+        "--state-dir",
+        &state,
+        "--listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "off",
+        "--load-poll-ms",
+        "50",
+        "--heartbeat-ms",
+        "200",
+        "--tail-probe-ms",
+        "300",
+    ];
+    let replay = c.replay_endpoint.clone().unwrap();
+    argv.extend(["--replay-endpoint", &replay]);
+    argv.extend_from_slice(extra);
+    let cfg = <kv_relay::config::Args as clap::Parser>::try_parse_from(argv).unwrap().validate().unwrap();
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+    let task = tokio::spawn(kv_relay::daemon::run(
+        cfg,
+        async move {
+            let _ = rx.await;
+        },
+        move |r| {
+            let _ = ready_tx.send(r.listen);
+        },
+    ));
+    let listen = ready_rx.await.unwrap();
+    Daemon { url: format!("http://{listen}"), shutdown: Some(tx), task, _dir: dir }
+}
+
+impl Daemon {
+    async fn stop(mut self) {
+        let _ = self.shutdown.take().unwrap().send(());
+        tokio::time::timeout(Duration::from_secs(15), self.task).await.unwrap().unwrap().unwrap();
+    }
+}
+
+/// What one subscriber rebuilt.
+#[derive(Default)]
+struct Rebuilt {
+    live: LiveBlocks,
+    last_cursor: u64,
+    batches_with_load: u64,
+    heartbeats_with_load: u64,
+    heartbeat_load: Option<(u32, pb::Load)>,
+    controls: Vec<ControlKind>,
+}
+
+fn apply(r: &mut Rebuilt, m: pb::SubscribeResponse) {
+    use pb::subscribe_response::Message as M;
+    match &m.message {
+        Some(M::Heartbeat(h)) => {
+            if h.load.is_some() {
+                r.heartbeats_with_load += 1;
+                r.heartbeat_load = h.load.map(|l| (h.dp_rank, l));
+            }
+        }
+        Some(M::SnapshotBegin(_)) => r.live = LiveBlocks::new(),
+        Some(M::SnapshotChunk(c)) => {
+            for b in &c.blocks {
+                let b = convert::snapshot_block_from_pb(b).unwrap();
+                let key = LiveKey { dp_rank: b.dp_rank, tier: b.tier, group: b.group };
+                r.live.blocks.entry(key).or_default().insert(b.hash, b.copies);
+            }
+        }
+        Some(M::SnapshotEnd(e)) => r.last_cursor = e.cursor,
+        Some(M::Batch(_)) | Some(M::Control(_)) => {
+            let rec = convert::record_from_subscribe(&m).unwrap().unwrap();
+            assert_eq!(rec.cursor, r.last_cursor + 1, "records arrive in cursor order with no hole");
+            r.last_cursor = rec.cursor;
+            match rec.body {
+                RecordBody::Batch { batch, load } => {
+                    r.batches_with_load += u64::from(load.is_some());
+                    r.live.apply(&batch);
+                }
+                RecordBody::Control(c) => {
+                    if matches!(c.kind, ControlKind::RankReset { .. }) {
+                        r.live.reset_rank(c.dp_rank);
+                    }
+                    r.controls.push(c.kind);
+                }
+            }
+        }
+        Some(M::Resync(x)) => panic!("unexpected resync: {x:?}"),
+        None => {}
+    }
+}
+
+fn engine(dp: u32) -> MockEngine {
+    let mut cfg = EngineConfig::new(WireVersion::parse(Engine::Vllm, "0.32").unwrap());
+    cfg.dp_size = dp;
+    cfg.topic = "kv".into();
+    cfg.block_size = 4;
+    cfg.cache_blocks = 64;
+    cfg.metrics_listen = Some("127.0.0.1:0".parse().unwrap());
+    start_engine_on_free_ports(cfg, true)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subscriber_rebuilds_the_engine_state_and_sees_its_load_on_batches_and_heartbeats() {
+    let e = engine(2);
+    for r in 0..2 {
+        e.set_load(r, EngineLoad { running: 3 + r, waiting: 1, kv_usage: 0.25 }).unwrap();
+    }
+    let mut src = RandomSource::new(11, 4, 8);
+    // Published before the relay starts: primed from the replay socket.
+    for _ in 0..10 {
+        for r in 0..2 {
+            e.serve_request(r, &src.next_request().unwrap(), false).unwrap();
+        }
+    }
+    let d = start_relay(&e, &[]).await;
+    // Let one load scrape happen before live traffic, so batches carry it.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut client = ctl::connect(&Target { url: d.url.clone(), ..Target::default() }).await.unwrap();
+    let req = pb::SubscribeRequest { allow_snapshot: true, ..Default::default() };
+    let mut stream = client.subscribe(req).await.unwrap().into_inner();
+    for _ in 0..20 {
+        for r in 0..2 {
+            e.serve_request(r, &src.next_request().unwrap(), false).unwrap();
+        }
+    }
+    e.drop_on_wire(1, 5).unwrap();
+    for _ in 0..8 {
+        e.serve_request(1, &src.next_request().unwrap(), false).unwrap();
+    }
+    let mut r = Rebuilt::default();
+    let want = truth_as_live(&e.truth());
+    let deadline = Instant::now() + Duration::from_secs(20);
+    // Traffic has stopped: the engine's load is stable, and a heartbeat must carry it exactly.
+    let engine_load = |rank: u32| {
+        let l = e.load(rank).unwrap();
+        (f64::from(l.running), f64::from(l.waiting), l.kv_usage)
+    };
+    let hb_matches =
+        |r: &Rebuilt| r.heartbeat_load.is_some_and(|(rank, l)| (l.running, l.waiting, l.kv_usage) == engine_load(rank));
+    while r.live.blocks != want || !hb_matches(&r) {
+        assert!(Instant::now() < deadline, "never equal: got {:?}\nwant {want:?}", r.live.blocks);
+        let m = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.unwrap().unwrap().unwrap();
+        apply(&mut r, m);
+    }
+    assert!(r.batches_with_load > 0);
+    let (rank, hb) = r.heartbeat_load.unwrap();
+    assert_eq!((hb.running, hb.waiting), (f64::from(3 + rank), 1.0));
+    assert!(r.controls.is_empty(), "{:?}", r.controls);
+    // The relay's own snapshot agrees.
+    let s = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
+    assert_eq!(s.newest_cursor, r.last_cursor);
+    assert_eq!(s.ranks.len(), 2);
+    drop(stream);
+    d.stop().await;
+}
