@@ -1,0 +1,97 @@
+//! The `kv-relay` binary's handling of configuration: exit code 64 (`EX_USAGE`) and a message
+//! naming the setting for bad configuration, and `check-config`.
+//!
+//! The binary never gets far enough to bind or open anything in these tests: every case fails
+//! validation or only prints.
+
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+fn kv_relay(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-relay"));
+    cmd.args(args);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("KV_RELAY_") || k == "STATE_DIRECTORY" || k == "NOTIFY_SOCKET" {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.envs(envs.iter().copied());
+    // Bounded: a binary that ignored `check-config` would start serving instead of exiting.
+    cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("running kv-relay");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while child.try_wait().expect("waiting for kv-relay").is_none() {
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let o = child.wait_with_output().expect("kv-relay output");
+            panic!("kv-relay {args:?} did not exit within 20 s; stderr: {}", stderr(&o));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().expect("kv-relay output")
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+#[test]
+fn a_bad_flag_value_exits_64_naming_the_setting() {
+    let o = kv_relay(&["--history-bytes", "1000"], &[]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert_eq!(stderr(&o).trim_end(), "kv-relay: invalid setting history-bytes: must be at least 1 MiB");
+}
+
+#[test]
+fn a_bad_environment_value_exits_64_naming_the_setting() {
+    let o = kv_relay(&[], &[("KV_RELAY_LOG_FORMAT", "xml")]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert_eq!(stderr(&o).trim_end(), "kv-relay: invalid setting log-format: \"xml\": use text or json");
+}
+
+#[test]
+#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
+fn a_bad_file_value_exits_64_naming_the_setting() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("relay.toml");
+    std::fs::write(&file, "dp_size = 0\n").unwrap();
+    let o = kv_relay(&["--config", file.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert_eq!(stderr(&o).trim_end(), "kv-relay: invalid setting dp-size: must be at least 1");
+
+    std::fs::write(&file, "dp_sise = 2\n").unwrap();
+    let o = kv_relay(&["--config", file.to_str().unwrap()], &[]);
+    assert_eq!(o.status.code(), Some(64));
+    assert!(stderr(&o).starts_with("kv-relay: invalid setting config: "), "{}", stderr(&o));
+    assert!(stderr(&o).contains("unknown key `dp_sise`"), "{}", stderr(&o));
+}
+
+#[test]
+#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
+fn a_malformed_flag_exits_64_and_help_exits_0() {
+    let o = kv_relay(&["--dp-size", "two"], &[]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--dp-size"), "{}", stderr(&o));
+    assert_eq!(kv_relay(&["--help"], &[]).status.code(), Some(0));
+}
+
+#[test]
+#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
+fn check_config_prints_the_effective_configuration_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    std::fs::write(&token, "s3cr3t\n").unwrap();
+    let file = dir.path().join("relay.toml");
+    std::fs::write(&file, format!("dp_size = 2\nstate_dir = \"/var/lib/x\"\n[server]\ntoken_file = {token:?}\n"))
+        .unwrap();
+    let (listen, metrics) = (("KV_RELAY_LISTEN", "127.0.0.1:0"), ("KV_RELAY_METRICS_LISTEN", "off"));
+    let o =
+        kv_relay(&["--config", file.to_str().unwrap(), "check-config"], &[("KV_RELAY_QUEUE", "64"), listen, metrics]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    let out = String::from_utf8(o.stdout).unwrap();
+    assert!(out.contains("\ndp_ranks = [0, 1]\n"), "{out}");
+    assert!(out.contains("\nqueue = 64\n"), "{out}");
+    assert!(out.contains("\nstate_dir = \"/var/lib/x\"\n"), "{out}");
+    assert!(out.contains("\nlisten = \"127.0.0.1:0\"\n"), "{out}");
+    assert!(!out.contains("s3cr3t"), "{out}");
+}
