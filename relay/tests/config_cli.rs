@@ -15,6 +15,11 @@ fn kv_relay(args: &[&str], envs: &[(&str, &str)]) -> Output {
             cmd.env_remove(k);
         }
     }
+    // Should a case start the relay after all, it binds nothing fixed and writes to a temporary
+    // directory (STATE_DIRECTORY is below every layer).
+    let state = tempfile::tempdir().unwrap();
+    cmd.env("STATE_DIRECTORY", state.path());
+    cmd.env("KV_RELAY_LISTEN", "127.0.0.1:0").env("KV_RELAY_METRICS_LISTEN", "off");
     cmd.envs(envs.iter().copied());
     // Bounded: a binary that ignored `check-config` would start serving instead of exiting.
     cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
