@@ -1,10 +1,12 @@
 //! One shard's open-addressing multimap `block hash -> packed holder`, readable without locks.
 //!
-//! Layout: `slots[i] = (key: AtomicU64, val: AtomicU64)` (16 bytes) plus one control byte per
-//! slot, eight of them packed into an `AtomicU64` per group of eight slots. A control byte is
-//! `EMPTY` (0x80) or a 7-bit fingerprint of the key. A hash held by several (worker, tier)
-//! pairs occupies several slots, all with the same key (a multimap): a lookup walks the groups
-//! from the key's home group and stops after the first group that still has an `EMPTY` byte.
+//! Layout: `slots[i] = (key: AtomicU64, val: AtomicU64)` (16 bytes) in groups of seven, and one
+//! `AtomicU64` control word per group: bytes 0..7 are the slots' control bytes, `EMPTY` (0x80)
+//! or a 7-bit fingerprint of the key, and byte 7 is the group's overflow count: how many
+//! inserts found the group full and went on to a later group (saturating, reset by rebuilds).
+//! A hash held by several (worker, tier) pairs occupies several slots, all with the same key
+//! (a multimap): a lookup walks the groups from the key's home group and stops after the first
+//! group whose overflow count is 0, usually the home group itself even when it is full.
 //!
 //! `val` packs one holder: `worker:23 | tag:1 | tier:8 | copies:32` (high to low bits); the
 //! all-ones value `TOMB` marks a removed holder.
@@ -16,7 +18,10 @@
 //!   of the *same* key; slots are recycled for other keys only by a rebuild into a new table.
 //!   So a reader that loads `val` and then `key` of a published slot never pairs a value with
 //!   another key's hash.
-//! - A table never gets fuller than 7/8 (live + tombstones), so every probe ends.
+//! - A group's overflow count is raised before the slot that overflowed is published, so a
+//!   reader that sees the slot's control byte walked through to it.
+//! - A table never gets fuller than 7/8 (live + tombstones), and a group that still has an
+//!   `EMPTY` slot was never full, so its overflow count is 0: every probe ends.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
@@ -27,10 +32,14 @@ pub(super) const COPIES: u64 = 0xffff_ffff;
 /// Mask of the holder bits (worker, tag, tier) of a packed value.
 pub(super) const HOLDER: u64 = !COPIES;
 
-const GROUP: usize = 8;
-const EMPTY_WORD: u64 = 0x8080_8080_8080_8080;
-const HI: u64 = 0x8080_8080_8080_8080;
+/// Slots per group (the control word's eighth byte is the overflow count).
+const GROUP: usize = 7;
+/// Bit 7 of each slot control byte (bytes 0..7).
+const HI: u64 = 0x0080_8080_8080_8080;
 const LO: u64 = 0x0101_0101_0101_0101;
+/// Seven `EMPTY` control bytes, overflow count 0.
+const EMPTY_WORD: u64 = HI;
+const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
 
 /// Packs a holder (without copies).
@@ -90,11 +99,17 @@ impl Probe {
     }
 }
 
-/// Bytes of `word` equal to `fp` (bit 7 of each matching byte set). May flag a full byte next
-/// to a true match (borrow), never an `EMPTY` byte; callers compare keys anyway.
+/// Slot control bytes of `word` equal to `fp` (bit 7 of each matching byte set). May flag a
+/// full byte next to a true match (borrow), never an `EMPTY` byte nor the overflow byte;
+/// callers compare keys anyway.
 fn match_byte(word: u64, fp: u8) -> u64 {
     let x = word ^ (LO * fp as u64);
     x.wrapping_sub(LO) & !x & HI
+}
+
+/// True when some insert went past this group: a probe must look at the next group too.
+fn overflowed(word: u64) -> bool {
+    word >> OVERFLOW_SHIFT != 0
 }
 
 struct Slot {
@@ -167,7 +182,7 @@ impl Table {
         let g = p.home(self.ctrl.len());
         self.ctrl[g].load(Ordering::Relaxed)
             ^ self.slots[g * GROUP].val.load(Ordering::Relaxed)
-            ^ self.slots[g * GROUP + GROUP / 2].val.load(Ordering::Relaxed)
+            ^ self.slots[g * GROUP + 4].val.load(Ordering::Relaxed)
     }
 
     /// Calls `f` with every live packed value stored under `p.hash`. Lock-free; may be called
@@ -188,7 +203,7 @@ impl Table {
                     f(v);
                 }
             }
-            if word & HI != 0 {
+            if !overflowed(word) {
                 return;
             }
             g += 1;
@@ -225,25 +240,48 @@ impl Table {
                     return Added::Done { saturated };
                 }
             }
+            if !overflowed(word) {
+                break;
+            }
+            g += 1;
+            if g == groups {
+                g = 0;
+            }
+        }
+        if let Some(i) = reuse {
+            self.slots[i].val.store(holder | copies as u64, Ordering::Release);
+            self.tombs.fetch_sub(1, Ordering::Relaxed);
+            self.live.fetch_add(1, Ordering::Relaxed);
+            return Added::Done { saturated: false };
+        }
+        if self.live() + self.tombs() + 1 > self.max_used() {
+            return Added::Full;
+        }
+        self.place(p, holder | copies as u64, Ordering::Release);
+        Added::Done { saturated: false }
+    }
+
+    /// Puts a new slot for `p.hash` in the first group from its home with an `EMPTY` byte,
+    /// raising the overflow count of every full group passed over first. Caller holds the
+    /// shard's mutex (or owns the table) and checked the load limit.
+    fn place(&self, p: &Probe, v: u64, publish: Ordering) {
+        let groups = self.ctrl.len();
+        let mut g = p.home(groups);
+        loop {
+            let word = self.ctrl[g].load(Ordering::Relaxed);
             let empties = word & HI;
             if empties != 0 {
-                if let Some(i) = reuse {
-                    self.slots[i].val.store(holder | copies as u64, Ordering::Release);
-                    self.tombs.fetch_sub(1, Ordering::Relaxed);
-                    self.live.fetch_add(1, Ordering::Relaxed);
-                    return Added::Done { saturated: false };
-                }
-                if self.live() + self.tombs() + 1 > self.max_used() {
-                    return Added::Full;
-                }
                 let byte = (empties.trailing_zeros() / 8) as usize;
                 let slot = &self.slots[g * GROUP + byte];
                 slot.key.store(p.hash, Ordering::Relaxed);
-                slot.val.store(holder | copies as u64, Ordering::Relaxed);
+                slot.val.store(v, Ordering::Relaxed);
                 let cleared = word & !(0xff << (8 * byte));
-                self.ctrl[g].store(cleared | ((fp as u64) << (8 * byte)), Ordering::Release);
+                self.ctrl[g].store(cleared | ((p.fingerprint() as u64) << (8 * byte)), publish);
                 self.live.fetch_add(1, Ordering::Relaxed);
-                return Added::Done { saturated: false };
+                return;
+            }
+            if word >> OVERFLOW_SHIFT != 0xff {
+                self.ctrl[g].store(word + (1 << OVERFLOW_SHIFT), publish);
             }
             g += 1;
             if g == groups {
@@ -276,7 +314,7 @@ impl Table {
                     return true;
                 }
             }
-            if word & HI != 0 {
+            if !overflowed(word) {
                 return false;
             }
             g += 1;
@@ -325,36 +363,12 @@ impl Table {
                 full &= full - 1;
                 let v = slot.val.load(Ordering::Relaxed);
                 if v != TOMB {
-                    next.push_fresh(&Probe::new(slot.key.load(Ordering::Relaxed)), v);
+                    next.place(&Probe::new(slot.key.load(Ordering::Relaxed)), v, Ordering::Relaxed);
                 }
             }
         }
         debug_assert_eq!(next.live(), live);
         next
-    }
-
-    /// Inserts a value known not to be present, into a table nobody reads yet.
-    fn push_fresh(&self, p: &Probe, v: u64) {
-        let groups = self.ctrl.len();
-        let mut g = p.home(groups);
-        loop {
-            let word = self.ctrl[g].load(Ordering::Relaxed);
-            let empties = word & HI;
-            if empties != 0 {
-                let byte = (empties.trailing_zeros() / 8) as usize;
-                let slot = &self.slots[g * GROUP + byte];
-                slot.key.store(p.hash, Ordering::Relaxed);
-                slot.val.store(v, Ordering::Relaxed);
-                let cleared = word & !(0xff << (8 * byte));
-                self.ctrl[g].store(cleared | ((p.fingerprint() as u64) << (8 * byte)), Ordering::Relaxed);
-                self.live.fetch_add(1, Ordering::Relaxed);
-                return;
-            }
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
-        }
     }
 }
 
@@ -370,6 +384,32 @@ mod tests {
         assert_ne!(m & (0x80 << 32), 0);
         for empty_byte in [0, 3, 7] {
             assert_eq!(m & (0x80 << (8 * empty_byte)), 0);
+        }
+        // The overflow byte never matches, whatever its value.
+        let word = u64::from_le_bytes([0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x12]);
+        assert_eq!(match_byte(word, 0x12), 0);
+        assert!(overflowed(word));
+    }
+
+    #[test]
+    fn probes_stop_at_home_when_no_insert_overflowed_it() {
+        let t = Table::for_entries(1000);
+        for k in 0..900u64 {
+            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1), Added::Done { .. }));
+        }
+        // Some groups filled up and overflowed; every key is still found, exactly once.
+        let overflowing = t.ctrl.iter().filter(|w| overflowed(w.load(Ordering::Relaxed))).count();
+        assert!(overflowing > 0, "the test should exercise overflow");
+        for k in 0..900u64 {
+            let mut n = 0;
+            t.for_each(&Probe::new(k), |_| n += 1);
+            assert_eq!(n, 1, "key {k}");
+        }
+        let r = t.rebuilt(0);
+        for k in 0..900u64 {
+            let mut n = 0;
+            r.for_each(&Probe::new(k), |_| n += 1);
+            assert_eq!(n, 1, "key {k} after rebuild");
         }
     }
 
