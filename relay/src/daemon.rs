@@ -114,7 +114,7 @@ pub async fn run(
     tasks.push(tokio::spawn(status_loop(ingest.status.clone(), status.clone(), stop_rx.clone())));
 
     on_ready(Running { store: store.clone(), status: status.clone(), listen });
-    let server_cfg = ServerConfig { listen, ..ServerConfig::default() };
+    let server_cfg = ServerConfig { listen, ..cfg.server.clone() };
     let served = server::serve(server_cfg, store.clone(), status, notices, listener, shutdown).await;
 
     let _ = stop_tx.send(true);

@@ -55,7 +55,6 @@ fn a_bad_environment_value_exits_64_naming_the_setting() {
 }
 
 #[test]
-#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
 fn a_bad_file_value_exits_64_naming_the_setting() {
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relay.toml");
@@ -72,7 +71,6 @@ fn a_bad_file_value_exits_64_naming_the_setting() {
 }
 
 #[test]
-#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
 fn a_malformed_flag_exits_64_and_help_exits_0() {
     let o = kv_relay(&["--dp-size", "two"], &[]);
     assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
@@ -81,7 +79,6 @@ fn a_malformed_flag_exits_64_and_help_exits_0() {
 }
 
 #[test]
-#[ignore = "needs relay/src/bin/kv-relay.rs to load through config_file::parse"]
 fn check_config_prints_the_effective_configuration_and_exits_0() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");

@@ -1,22 +1,32 @@
-//! `kv-relay`: the daemon. Parses its settings, sets up logging, and runs
-//! [`kv_relay::daemon::run`] until SIGTERM or Ctrl-C.
+//! `kv-relay`: the daemon. Loads its settings (flags > environment > file > defaults), sets up
+//! logging, and runs [`kv_relay::daemon::run`] until SIGTERM or Ctrl-C; `check-config` prints
+//! the effective configuration and exits.
 
-use clap::Parser;
-use kv_relay::config::Args;
+use kv_relay::config::Command;
+use kv_relay::config_file::{self, LoadError};
+use kv_relay::notify;
 use std::process::ExitCode;
 
-/// `EX_USAGE`: bad configuration.
-const EX_USAGE: u8 = 64;
-
 fn main() -> ExitCode {
-    let args = Args::parse();
-    let cfg = match args.validate() {
-        Ok(c) => c,
-        Err(e) => {
+    let inv = match config_file::parse(std::env::args_os()) {
+        Ok(inv) => inv,
+        Err(e @ LoadError::Usage(_)) => {
+            let code = e.exit_code();
+            if let LoadError::Usage(clap) = &e {
+                let _ = clap.print();
+            }
+            return ExitCode::from(code as u8);
+        }
+        Err(e @ LoadError::Config(_)) => {
             eprintln!("kv-relay: {e}");
-            return ExitCode::from(EX_USAGE);
+            return ExitCode::from(e.exit_code() as u8);
         }
     };
+    let cfg = inv.config;
+    if let Some(Command::CheckConfig) = inv.command {
+        print!("{}", config_file::effective_toml(&cfg));
+        return ExitCode::SUCCESS;
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("KV_RELAY_LOG").unwrap_or_else(|_| "info".into());
     if cfg.json_logs {
         tracing_subscriber::fmt().json().with_env_filter(filter).init();
@@ -36,6 +46,7 @@ fn main() -> ExitCode {
             Err(e) => {
                 tracing::error!(error = %e, "cannot listen for SIGTERM; stop with Ctrl-C");
                 let _ = tokio::signal::ctrl_c().await;
+                notify::stopping();
                 return;
             }
         };
@@ -43,15 +54,30 @@ fn main() -> ExitCode {
             _ = term.recv() => tracing::info!("SIGTERM: draining"),
             _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: draining"),
         }
+        notify::stopping();
     };
-    let result = rt.block_on(kv_relay::daemon::run(cfg, shutdown, |r| {
-        tracing::info!(
-            listen = %r.listen,
-            epoch = format!("{:016x}", r.store.epoch()),
-            incarnation = r.store.incarnation(),
-            "kv-relay ready"
-        );
-    }));
+    let result = rt.block_on(async {
+        if let Some(every) = notify::watchdog_interval() {
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(every);
+                loop {
+                    tick.tick().await;
+                    notify::watchdog();
+                }
+            });
+        }
+        kv_relay::daemon::run(cfg, shutdown, |r| {
+            tracing::info!(
+                listen = %r.listen,
+                epoch = format!("{:016x}", r.store.epoch()),
+                incarnation = r.store.incarnation(),
+                "kv-relay ready"
+            );
+            notify::status(&format!("serving on {}", r.listen));
+            notify::ready();
+        })
+        .await
+    });
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
