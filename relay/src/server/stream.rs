@@ -1,0 +1,362 @@
+//! The producers behind the server streams: one task per open stream, reading the store and
+//! sending through a bounded channel (the tonic pattern: stop when `send` fails, the client went
+//! away).
+//!
+//! # Memory per subscriber
+//! A subscriber reads the history from the store, a page at a time, at its own pace. It holds at
+//! most one page of records ([`ServerConfig::history_page`] records) and its channel
+//! ([`ServerConfig::stream_buffer`] messages), plus a broadcast receiver (a cursor into the one
+//! shared notice ring). A lagging subscriber therefore costs at most
+//! `(history_page + stream_buffer) × the largest record`, however far behind it is; while it
+//! sends a snapshot it holds one chunk (`snapshot_chunk_blocks` blocks) instead of a page.
+
+use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
+use super::status::{Notice, RelayStatusHandle};
+use super::ServerConfig;
+use crate::store::{SnapshotFilter, Store, StoreError};
+use kv_relay_proto::pb;
+use pb::subscribe_response::Message as M;
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tokio::sync::{broadcast, mpsc, watch, OwnedSemaphorePermit, Semaphore};
+use tonic::Status;
+
+/// The client went away, or the stream ended with a status already sent.
+pub(crate) struct Stop;
+
+pub(crate) type Tx<T> = mpsc::Sender<Result<T, Status>>;
+
+async fn send<T>(tx: &Tx<T>, item: Result<T, Status>) -> Result<(), Stop> {
+    tx.send(item).await.map_err(|_| Stop)
+}
+
+pub(crate) fn store_status(e: StoreError) -> Status {
+    Status::internal(format!("store: {e}"))
+}
+
+/// Runs a blocking store read off the async workers.
+pub(crate) async fn blocking<R: Send + 'static>(
+    f: impl FnOnce() -> Result<R, StoreError> + Send + 'static,
+) -> Result<R, Status> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| Status::internal(format!("store read task failed: {e}")))?
+        .map_err(store_status)
+}
+
+/// The incarnation that committed `cursor` (the last incarnation that began at or before it);
+/// the store's current one for cursor 0.
+pub(crate) fn incarnation_of(store: &Store, cursor: u64) -> u32 {
+    if cursor == 0 {
+        return store.incarnation();
+    }
+    store
+        .incarnations()
+        .iter()
+        .rev()
+        .find(|(_, &first)| first <= cursor)
+        .map(|(&i, _)| i)
+        .unwrap_or_else(|| store.incarnation())
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+/// The pieces of a snapshot stream, wrapped into the RPC's own message type by `wrap`.
+pub(crate) enum SnapPart {
+    Begin(pb::SnapshotBegin),
+    Chunk(pb::SnapshotChunk),
+    End(pb::SnapshotEnd),
+}
+
+/// Streams a snapshot (begin, chunks, end) and returns its cursor. Holds one chunk at a time;
+/// the spill file is read on the blocking pool, one chunk per trip.
+pub(crate) async fn send_snapshot<T>(
+    store: &Store,
+    filter: SnapshotFilter,
+    chunk_blocks: usize,
+    reason: pb::SnapshotReason,
+    tx: &Tx<T>,
+    wrap: impl Fn(SnapPart) -> T,
+) -> Result<u64, Stop> {
+    let ranks = filter.ranks.clone().unwrap_or_default();
+    let s = store.clone();
+    let mut snap = match blocking(move || s.snapshot(filter)).await {
+        Ok(s) => s,
+        Err(st) => {
+            let _ = send(tx, Err(st)).await;
+            return Err(Stop);
+        }
+    };
+    snap.chunk_blocks = chunk_blocks.max(1);
+    let cursor = snap.cursor;
+    let incarnation = incarnation_of(store, cursor);
+    let begin = pb::SnapshotBegin {
+        cursor,
+        epoch: snap.epoch,
+        incarnation,
+        block_count: Some(snap.blocks),
+        reason: reason as i32,
+        ranks,
+    };
+    send(tx, Ok(wrap(SnapPart::Begin(begin)))).await?;
+    let mut sent = 0u64;
+    loop {
+        let (back, chunk) = match tokio::task::spawn_blocking(move || {
+            let c = snap.next();
+            (snap, c)
+        })
+        .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = send(tx, Err(Status::internal(format!("snapshot read task failed: {e}")))).await;
+                return Err(Stop);
+            }
+        };
+        snap = back;
+        match chunk {
+            None => break,
+            Some(Ok(blocks)) => {
+                sent += blocks.len() as u64;
+                let chunk = pb::SnapshotChunk { blocks: blocks.iter().map(snapshot_block_to_pb).collect() };
+                send(tx, Ok(wrap(SnapPart::Chunk(chunk)))).await?;
+            }
+            Some(Err(e)) => {
+                let _ = send(tx, Err(store_status(e))).await;
+                return Err(Stop);
+            }
+        }
+    }
+    send(tx, Ok(wrap(SnapPart::End(pb::SnapshotEnd { cursor, incarnation, block_count: sent })))).await?;
+    Ok(cursor)
+}
+
+/// Where a subscription starts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Start {
+    /// Every record after this cursor.
+    After(u64),
+    /// A snapshot first, then every record after its cursor.
+    Snapshot(pb::SnapshotReason),
+}
+
+/// One Subscribe stream's producer.
+pub(crate) struct Subscriber {
+    pub store: Store,
+    pub status: RelayStatusHandle,
+    pub cfg: Arc<ServerConfig>,
+    /// Live notices (heartbeats). Lossy: skipped while catching up.
+    pub notices: broadcast::Receiver<Notice>,
+    pub newest: watch::Receiver<u64>,
+    pub shutdown: watch::Receiver<bool>,
+    /// Only these ranks (`None`: all).
+    pub ranks: Option<Vec<u32>>,
+    pub snapshot_token_ids: bool,
+    pub start: Start,
+    /// Snapshot slots, shared with the Snapshot RPC: a snapshot start waits for one.
+    pub snapshot_slots: Arc<Semaphore>,
+    /// The subscriber slot; released when the producer ends.
+    pub _permit: OwnedSemaphorePermit,
+}
+
+/// What woke a live, quiet subscriber.
+enum Wake {
+    /// A commit (`false`: the store is gone).
+    Commit(bool),
+    Notice(Result<Notice, broadcast::error::RecvError>),
+    Tick,
+}
+
+/// Decrements the subscriber count however the producer ends.
+struct Open(RelayStatusHandle);
+
+impl Drop for Open {
+    fn drop(&mut self) {
+        self.0.subscriber_closed();
+    }
+}
+
+impl Subscriber {
+    fn wants(&self, dp_rank: u32) -> bool {
+        self.ranks.as_ref().is_none_or(|r| r.contains(&dp_rank))
+    }
+
+    pub(crate) async fn run(mut self, tx: Tx<pb::SubscribeResponse>) {
+        self.status.subscriber_opened();
+        let _open = Open(self.status.clone());
+        let _ = self.produce(&tx).await;
+    }
+
+    async fn produce(&mut self, tx: &Tx<pb::SubscribeResponse>) -> Result<(), Stop> {
+        let mut pos = match self.start {
+            Start::After(c) => c,
+            Start::Snapshot(reason) => {
+                let _slot = tokio::select! {
+                    slot = self.snapshot_slots.clone().acquire_owned() => slot.map_err(|_| Stop)?,
+                    _ = tx.closed() => return Err(Stop),
+                };
+                let filter = SnapshotFilter {
+                    ranks: self.ranks.clone(),
+                    tiers: None,
+                    include_token_ids: self.snapshot_token_ids,
+                };
+                let wrap = |p| pb::SubscribeResponse {
+                    message: Some(match p {
+                        SnapPart::Begin(b) => M::SnapshotBegin(b),
+                        SnapPart::Chunk(c) => M::SnapshotChunk(c),
+                        SnapPart::End(e) => M::SnapshotEnd(e),
+                    }),
+                };
+                send_snapshot(&self.store, filter, self.cfg.snapshot_chunk_blocks, reason, tx, wrap).await?
+            }
+        };
+        let interval = self.cfg.heartbeat_interval;
+        let mut last_sent = Instant::now();
+        let mut tick = tokio::time::interval(interval);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut notices_open = true;
+        let mut newest_open = true;
+        loop {
+            // Mark the newest cursor seen before reading: a commit after this wakes the wait.
+            self.newest.borrow_and_update();
+            let (store, page) = (self.store.clone(), self.cfg.history_page.max(1));
+            let records = match blocking(move || store.history(pos, page)).await {
+                Ok(r) => r,
+                Err(st) => return send(tx, Err(st)).await,
+            };
+            if let Some(first) = records.first() {
+                if first.cursor != pos + 1 {
+                    return self.resync(tx, pos, first.cursor).await;
+                }
+                for r in &records {
+                    pos = r.cursor;
+                    if self.wants(record_rank(r)) {
+                        send(tx, Ok(record_to_pb(r).into_subscribe())).await?;
+                        last_sent = Instant::now();
+                    }
+                }
+                continue;
+            }
+            // Nothing after `pos`: caught up, unless the records after it were trimmed away.
+            if self.store.newest_cursor() > pos {
+                match self.store.oldest_cursor() {
+                    Some(o) if o <= pos + 1 => continue, // committed between the two reads
+                    o => return self.resync(tx, pos, o.unwrap_or(self.store.newest_cursor() + 1)).await,
+                }
+            }
+            // Live and quiet: wait for a commit, a notice, a heartbeat tick, or the end.
+            let wake = tokio::select! {
+                biased;
+                _ = self.shutdown.wait_for(|s| *s) => return Err(Stop),
+                _ = tx.closed() => return Err(Stop),
+                r = self.newest.changed(), if newest_open => Wake::Commit(r.is_ok()),
+                n = self.notices.recv(), if notices_open => Wake::Notice(n),
+                _ = tick.tick() => Wake::Tick,
+            };
+            match wake {
+                // The store was dropped: nothing more will be committed.
+                Wake::Commit(open) => newest_open = open,
+                Wake::Notice(Ok(Notice::Heartbeat { dp_rank, load })) => {
+                    // The ingest sends these only while the rank is quiet: forward each.
+                    if self.wants(dp_rank) {
+                        send(tx, Ok(self.heartbeat(dp_rank, load.as_ref().map(load_to_pb)))).await?;
+                        last_sent = Instant::now();
+                    }
+                }
+                Wake::Notice(Err(broadcast::error::RecvError::Lagged(_))) => {}
+                Wake::Notice(Err(broadcast::error::RecvError::Closed)) => notices_open = false,
+                Wake::Tick => {
+                    if last_sent.elapsed() >= interval {
+                        for (dp_rank, load) in self.own_heartbeats() {
+                            send(tx, Ok(self.heartbeat(dp_rank, load))).await?;
+                        }
+                        last_sent = Instant::now();
+                    }
+                }
+            }
+        }
+    }
+
+    fn heartbeat(&self, dp_rank: u32, load: Option<pb::Load>) -> pb::SubscribeResponse {
+        pb::SubscribeResponse {
+            message: Some(M::Heartbeat(pb::Heartbeat {
+                dp_rank,
+                load,
+                newest_cursor: self.store.newest_cursor(),
+                sent_at_ms: unix_ms(),
+            })),
+        }
+    }
+
+    /// The server's own heartbeats when the ingest sent none: one per rank the status knows (and
+    /// the filter passes), with its latest load; rank 0 when no rank is known yet.
+    fn own_heartbeats(&self) -> Vec<(u32, Option<pb::Load>)> {
+        let st = self.status.get();
+        let mut out: Vec<_> = st
+            .ranks
+            .iter()
+            .filter(|(r, _)| self.wants(**r))
+            .map(|(r, s)| (*r, s.load.as_ref().map(load_to_pb)))
+            .collect();
+        if out.is_empty() {
+            let r = self.ranks.as_ref().and_then(|r| r.first().copied()).unwrap_or(0);
+            out.push((r, None));
+        }
+        out
+    }
+
+    /// The subscriber fell behind the history: say so, then end with `OUT_OF_RANGE`.
+    async fn resync(&self, tx: &Tx<pb::SubscribeResponse>, pos: u64, oldest: u64) -> Result<(), Stop> {
+        let reason =
+            format!("subscriber fell behind the history: it is at cursor {pos}, the oldest record held is {oldest}");
+        tracing::info!(pos, oldest, "subscriber told to resync");
+        self.status.add("subscribers_resynced", 1);
+        let msg = pb::SubscribeResponse {
+            message: Some(M::Resync(pb::Resync { reason: reason.clone(), after_cursor: pos, oldest_cursor: oldest })),
+        };
+        send(tx, Ok(msg)).await?;
+        send(tx, Err(Status::out_of_range(reason))).await?;
+        Err(Stop)
+    }
+}
+
+/// Streams the History RPC's records.
+pub(crate) async fn send_history(
+    store: Store,
+    from: u64,
+    to: u64,
+    limit: u64,
+    ranks: Option<Vec<u32>>,
+    page: usize,
+    tx: Tx<pb::HistoryResponse>,
+) {
+    let mut after = from.saturating_sub(1);
+    let mut sent = 0u64;
+    while sent < limit && after < to {
+        let s = store.clone();
+        let records = match blocking(move || s.history(after, page)).await {
+            Ok(r) => r,
+            Err(st) => {
+                let _ = tx.send(Err(st)).await;
+                return;
+            }
+        };
+        if records.is_empty() {
+            return;
+        }
+        for r in &records {
+            if r.cursor > to || sent >= limit {
+                return;
+            }
+            after = r.cursor;
+            if ranks.as_ref().is_none_or(|rs| rs.contains(&record_rank(r))) {
+                if tx.send(Ok(record_to_pb(r).into_history())).await.is_err() {
+                    return;
+                }
+                sent += 1;
+            }
+        }
+    }
+}
