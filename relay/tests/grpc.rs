@@ -324,6 +324,25 @@ async fn new_client_streams_the_whole_history_when_it_starts_at_one() {
 }
 
 #[tokio::test]
+async fn rank_filter_passes_only_the_ranks_asked_for() {
+    let relay = Relay::start(cfg(), big_history()).await;
+    let committed = Traffic::new(17, 3).commit(&relay.store, 60);
+    let want: Vec<&Record> = committed
+        .iter()
+        .filter(|r| match &r.body {
+            RecordBody::Batch { batch, .. } => batch.dp_rank == 2,
+            RecordBody::Control(c) => c.dp_rank == 2,
+        })
+        .collect();
+    let r = pb::SubscribeRequest { ranks: vec![2], ..req(0, 0, 0, false) };
+    let mut s = relay.client().await.subscribe(r).await.unwrap().into_inner();
+    for w in want {
+        assert_eq!(&next_record(&mut s).await, w);
+    }
+    relay.stop().await;
+}
+
+#[tokio::test]
 async fn epoch_change_forces_a_snapshot() {
     let relay = Relay::start(cfg(), big_history()).await;
     let mut traffic = Traffic::new(5, 2);
@@ -506,6 +525,7 @@ async fn history_status_and_snapshot_rpcs() {
     assert_eq!(st.epoch, relay.store.epoch());
     assert_eq!(st.engine, "test-engine");
     assert_eq!((st.oldest_cursor, st.newest_cursor, st.history_records), (1, 60, 60));
+    assert_eq!(st.counters["live_blocks"], truth.len() as u64);
     let r1 = st.ranks.iter().find(|r| r.dp_rank == 1).unwrap();
     assert_eq!((r1.state, r1.reason.as_str()), (pb::RankState::Degraded as i32, "gap 5..9"));
 

@@ -324,6 +324,12 @@ impl Relay for RelayService {
                 }
             });
         }
+        let mut counters: std::collections::HashMap<String, u64> = st.counters.into_iter().collect();
+        let live = self.store.live_stats();
+        counters.insert("live_blocks".into(), live.blocks);
+        counters.insert("live_copies".into(), live.copies);
+        counters.insert("removed_not_live".into(), live.removed_not_live);
+        counters.insert("stored_already_live".into(), live.stored_already_live);
         Ok(Response::new(pb::StatusResponse {
             epoch: self.store.epoch(),
             incarnation: self.store.incarnation(),
@@ -334,7 +340,7 @@ impl Relay for RelayService {
             history_records: hs.batches,
             history_bytes: hs.bytes,
             subscribers: st.subscribers,
-            counters: st.counters.into_iter().collect(),
+            counters,
             relay_version: env!("CARGO_PKG_VERSION").to_string(),
         }))
     }
