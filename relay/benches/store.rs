@@ -123,7 +123,7 @@ fn main() {
     let quick = std::env::var_os("KV_RELAY_BENCH_QUICK").is_some();
     let live_target: u64 = if quick { 20_000 } else { 1_000_000 };
     let fill = live_target / BLOCKS_PER_BATCH;
-    let churn = if quick { 500 } else { 10_000 };
+    let churn = if quick { 200 } else { 10_000 };
     let root = tempfile::tempdir_in(std::env::var_os("KV_RELAY_BENCH_DIR").unwrap_or_else(|| ".".into())).unwrap();
     println!("store benchmark ({}): {live_target} live blocks, {fill} fill batches of {BLOCKS_PER_BATCH} blocks with {TOKENS_PER_BLOCK} tokens each, {churn} churn batches", if quick { "quick" } else { "full" });
 
