@@ -7,5 +7,24 @@
 //!   to the (worker, tier, copies) holding them, answering "how many leading blocks of this
 //!   request does each worker hold, per tier", plus its naive reference
 //!   ([`index::reference`]) used by tests.
+//! - [`follower`]: [`Follower`]: one background task per relay keeps a resumable Subscribe
+//!   stream current (backoff, receive timeout, Status polls); lookups over every worker.
+//! - [`admission`]: the admission rules, pure: exactly-once cursor order per relay, rank
+//!   resets, flags, staged snapshots swapped in atomically.
+//! - [`worker`]: what a router is told about a worker: load, freshness, state.
+//! - [`backoff`]: jittered exponential backoff.
+//! - [`http`]: the example router's HTTP API (`POST /match`, `GET /workers`, `GET /metrics`).
+//! - [`error`]: the client's error enums.
 
+pub mod admission;
+pub mod backoff;
+pub mod error;
+pub mod follower;
+pub mod http;
 pub mod index;
+pub mod worker;
+
+pub use admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
+pub use error::{ClientError, StreamError};
+pub use follower::{FollowConfig, Follower, Match, RelayInfo};
+pub use worker::{Load, WorkerInfo, WorkerState};

@@ -1,0 +1,270 @@
+//! The example router's HTTP API over a [`Follower`]: `POST /match`, `GET /workers`,
+//! `GET /metrics`. Served with axum (already in the dependency tree through tonic), so HTTP/1.1
+//! parsing, keep-alive and body limits come from a tested server rather than a hand-written one.
+//! See `docs/router-client.md` for the API with examples.
+
+use std::fmt::Write as _;
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use kv_relay_proto::hash::{EngineHashConfig, EngineVersion, LoraRef, RequestKeys, VllmHashAlgo};
+use serde::{Deserialize, Serialize};
+use tokio::net::TcpListener;
+
+use crate::follower::{Follower, Match, RelayInfo};
+use crate::worker::{WorkerInfo, WorkerState};
+
+/// The largest `/match` request body (token ids of a long prompt fit easily).
+pub const MAX_BODY_BYTES: usize = 16 << 20;
+
+/// A `POST /match` request: block hashes, or token ids with the engine's hash settings.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MatchRequest {
+    /// The request's engine block hashes, in order.
+    #[serde(default)]
+    pub block_hashes: Option<Vec<u64>>,
+    /// The request's token ids (with `hash`).
+    #[serde(default)]
+    pub token_ids: Option<Vec<u64>>,
+    /// How the engine hashes blocks (with `token_ids`).
+    #[serde(default)]
+    pub hash: Option<HashSettings>,
+    /// The request's cache salt.
+    #[serde(default)]
+    pub cache_salt: Option<String>,
+    /// The request's LoRA adapter (vLLM: name and path; SGLang: `name` is the radix extra key).
+    #[serde(default)]
+    pub lora: Option<LoraSettings>,
+}
+
+/// A LoRA adapter as the engine hashes it.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct LoraSettings {
+    /// The adapter's name (SGLang: its id, the radix `extra_key`).
+    pub name: String,
+    /// The adapter's path (vLLM).
+    #[serde(default)]
+    pub path: String,
+}
+
+/// An engine's block-hash settings.
+#[derive(Debug, Deserialize)]
+#[serde(tag = "engine", rename_all = "lowercase", deny_unknown_fields)]
+pub enum HashSettings {
+    /// vLLM: release, `--prefix-caching-hash-algo`, `PYTHONHASHSEED`, block size.
+    Vllm {
+        /// The release, e.g. `0.11.0`.
+        version: String,
+        /// `sha256` (default), `sha256_cbor`, `xxhash`, `xxhash_cbor`.
+        #[serde(default)]
+        algo: Option<String>,
+        /// The engine's `PYTHONHASHSEED`, when set.
+        #[serde(default)]
+        python_hash_seed: Option<String>,
+        /// Tokens per block.
+        block_size: usize,
+    },
+    /// SGLang: release, page size, EAGLE bigram keys.
+    Sglang {
+        /// The release, e.g. `0.5.23`.
+        version: String,
+        /// Tokens per page.
+        page_size: usize,
+        /// EAGLE bigram keys on.
+        #[serde(default)]
+        eagle: bool,
+    },
+}
+
+impl HashSettings {
+    /// The engine's hash function.
+    pub fn resolve(&self) -> Result<EngineHashConfig, String> {
+        match self {
+            HashSettings::Vllm { version, algo, python_hash_seed, block_size } => {
+                let v: EngineVersion = version.parse().map_err(|e| format!("{e}"))?;
+                let algo: VllmHashAlgo = algo.as_deref().unwrap_or("sha256").parse().map_err(|e| format!("{e}"))?;
+                EngineHashConfig::vllm(v, algo, python_hash_seed.as_deref(), *block_size).map_err(|e| e.to_string())
+            }
+            HashSettings::Sglang { version, page_size, eagle } => {
+                let v: EngineVersion = version.parse().map_err(|e| format!("{e}"))?;
+                EngineHashConfig::sglang(v, *page_size, *eagle).map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
+/// A `POST /match` answer.
+#[derive(Debug, Serialize)]
+pub struct MatchResponse {
+    /// The request's block hashes (computed when token ids were given).
+    pub blocks: usize,
+    /// Every known worker, by relay then rank.
+    pub workers: Vec<Match>,
+}
+
+#[derive(Serialize)]
+struct WorkerView {
+    #[serde(flatten)]
+    worker: WorkerInfo,
+    epoch: u64,
+    cursor: u64,
+    relay_newest: u64,
+}
+
+#[derive(Serialize)]
+struct WorkersResponse {
+    relays: Vec<RelayInfo>,
+    workers: Vec<WorkerView>,
+}
+
+fn json<T: Serialize>(status: StatusCode, value: &T) -> Response {
+    match serde_json::to_vec(value) {
+        Ok(body) => (status, [(header::CONTENT_TYPE, "application/json")], body).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+fn bad_request(msg: impl Into<String>) -> Response {
+    #[derive(Serialize)]
+    struct Error {
+        error: String,
+    }
+    json(StatusCode::BAD_REQUEST, &Error { error: msg.into() })
+}
+
+/// Answers a match request (the body of `POST /match`).
+pub fn answer_match(follower: &Follower, req: &MatchRequest) -> Result<MatchResponse, String> {
+    let hashes = match (&req.block_hashes, &req.token_ids, &req.hash) {
+        (Some(h), None, None) => h.clone(),
+        (None, Some(tokens), Some(settings)) => {
+            let engine = settings.resolve()?;
+            let lora = req.lora.as_ref().map(|l| LoraRef { name: l.name.clone(), path: l.path.clone() });
+            let keys = RequestKeys {
+                token_ids: tokens,
+                cache_salt: req.cache_salt.as_deref(),
+                lora: lora.as_ref(),
+                ..RequestKeys::default()
+            };
+            kv_relay_proto::hash::block_event_hashes(&engine, &keys).map_err(|e| e.to_string())?
+        }
+        (None, Some(_), None) => return Err("token_ids need the engine's hash settings in \"hash\"".into()),
+        _ => return Err("give either \"block_hashes\", or \"token_ids\" with \"hash\"".into()),
+    };
+    Ok(MatchResponse { blocks: hashes.len(), workers: follower.match_blocks(&hashes) })
+}
+
+async fn post_match(State(f): State<Arc<Follower>>, body: Bytes) -> Response {
+    let req: MatchRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("invalid request: {e}")),
+    };
+    match answer_match(&f, &req) {
+        Ok(r) => json(StatusCode::OK, &r),
+        Err(e) => bad_request(e),
+    }
+}
+
+async fn get_workers(State(f): State<Arc<Follower>>) -> Response {
+    let relays = f.relays();
+    let workers = f
+        .workers()
+        .into_iter()
+        .map(|w| {
+            let r = relays.iter().find(|r| r.url == w.relay);
+            WorkerView {
+                epoch: r.map_or(0, |r| r.epoch),
+                cursor: r.map_or(0, |r| r.cursor),
+                relay_newest: r.map_or(0, |r| r.relay_newest),
+                worker: w,
+            }
+        })
+        .collect();
+    json(StatusCode::OK, &WorkersResponse { relays, workers })
+}
+
+async fn get_metrics(State(f): State<Arc<Follower>>) -> Response {
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], prometheus_text(&f)).into_response()
+}
+
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n")
+}
+
+/// The follower's metrics in the Prometheus text format.
+pub fn prometheus_text(f: &Follower) -> String {
+    let c = f.counters();
+    let mut out = String::new();
+    let counters: [(&str, &str, u64); 11] = [
+        ("records_applied", "History records (batches and controls) applied.", c.records_applied),
+        ("duplicates", "Records ignored because their cursor was already applied.", c.duplicates),
+        ("gaps", "Records beyond the next cursor (each resumes the stream).", c.gaps),
+        ("snapshots", "Snapshot resyncs swapped in.", c.snapshots),
+        ("epoch_changes", "Snapshots that came with a new relay epoch.", c.epoch_changes),
+        ("resyncs", "Resync requests from relays (this client fell behind their history).", c.resyncs),
+        ("reconnects", "Subscribe attempts after the first, per relay.", c.reconnects),
+        ("receive_timeouts", "Streams dropped because nothing arrived in time.", c.receive_timeouts),
+        ("heartbeats", "Heartbeats received.", c.heartbeats),
+        ("protocol_errors", "Stream messages out of protocol.", c.protocol_errors),
+        ("skipped_events", "Events skipped (unspecified tier, unknown kind).", c.skipped_events),
+    ];
+    for (name, help, v) in counters {
+        let _ = writeln!(out, "# HELP kv_router_{name}_total {help}\n# TYPE kv_router_{name}_total counter");
+        let _ = writeln!(out, "kv_router_{name}_total {v}");
+    }
+    let workers = f.workers();
+    let _ = writeln!(out, "# HELP kv_router_workers Workers by state.\n# TYPE kv_router_workers gauge");
+    for s in WorkerState::ALL {
+        let n = workers.iter().filter(|w| w.state == s).count();
+        let _ = writeln!(out, "kv_router_workers{{state=\"{}\"}} {n}", s.as_str());
+    }
+    let relays = f.relays();
+    let _ = writeln!(out, "# HELP kv_router_relay_connected Whether a stream to the relay is open.");
+    let _ = writeln!(out, "# TYPE kv_router_relay_connected gauge");
+    for r in &relays {
+        let _ = writeln!(out, "kv_router_relay_connected{{relay=\"{}\"}} {}", label(&r.url), u8::from(r.connected));
+    }
+    let _ = writeln!(out, "# HELP kv_router_relay_cursor The last relay cursor applied.");
+    let _ = writeln!(out, "# TYPE kv_router_relay_cursor gauge");
+    for r in &relays {
+        let _ = writeln!(out, "kv_router_relay_cursor{{relay=\"{}\"}} {}", label(&r.url), r.cursor);
+    }
+    let _ = writeln!(out, "# HELP kv_router_relay_lag_records The relay's newest cursor minus the last applied.");
+    let _ = writeln!(out, "# TYPE kv_router_relay_lag_records gauge");
+    for r in &relays {
+        let lag = r.relay_newest.saturating_sub(r.cursor);
+        let _ = writeln!(out, "kv_router_relay_lag_records{{relay=\"{}\"}} {lag}", label(&r.url));
+    }
+    let stats = f.index().stats();
+    let _ = writeln!(out, "# HELP kv_router_index_blocks Indexed (worker, tier, hash) blocks.");
+    let _ = writeln!(out, "# TYPE kv_router_index_blocks gauge\nkv_router_index_blocks {}", stats.blocks);
+    let _ = writeln!(out, "# HELP kv_router_index_bytes Memory the prefix index holds.");
+    let _ = writeln!(out, "# TYPE kv_router_index_bytes gauge\nkv_router_index_bytes {}", f.index().memory_bytes());
+    out
+}
+
+/// The HTTP routes over a follower.
+pub fn router(follower: Follower) -> Router {
+    Router::new()
+        .route("/match", post(post_match))
+        .route("/workers", get(get_workers))
+        .route("/metrics", get(get_metrics))
+        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+        .with_state(Arc::new(follower))
+}
+
+/// Serves the API on `listener` until `shutdown` completes.
+pub async fn serve(
+    listener: TcpListener,
+    follower: Follower,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, router(follower)).with_graceful_shutdown(shutdown).await
+}

@@ -1,0 +1,117 @@
+//! What the client tells a router about each worker: its load, freshness and state.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kv_relay_proto::pb;
+use serde::Serialize;
+
+use crate::index::WorkerId;
+
+/// An engine's load, as the relay last reported it for a rank (from a batch or a heartbeat).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct Load {
+    /// Requests running.
+    pub running: f64,
+    /// Requests waiting.
+    pub waiting: f64,
+    /// KV-cache usage, 0..1.
+    pub kv_usage: f64,
+    /// Unix milliseconds of the relay's scrape of the engine.
+    pub scraped_at_ms: u64,
+}
+
+impl From<&pb::Load> for Load {
+    fn from(l: &pb::Load) -> Self {
+        Load { running: l.running, waiting: l.waiting, kv_usage: l.kv_usage, scraped_at_ms: l.scraped_at_ms }
+    }
+}
+
+/// A worker's state, most severe first: the first that applies is reported.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum WorkerState {
+    /// The client has no working stream from the worker's relay (connecting, or reconnecting
+    /// after an error); the blocks it holds are as of the last record applied.
+    RelayUnreachable,
+    /// The stream is up but nothing about this rank (batch, heartbeat, control) arrived within
+    /// the staleness bound; fresh again at its next batch or heartbeat.
+    Stale,
+    /// The relay reported a gap it could not refill: stale blocks may be held until the rank
+    /// recovers or resets.
+    Degraded,
+    /// The relay reported that blocks announced before it started may be missing.
+    Incomplete,
+    /// Current.
+    Fresh,
+}
+
+impl WorkerState {
+    /// Every state, in the order above.
+    pub const ALL: [WorkerState; 5] = [
+        WorkerState::RelayUnreachable,
+        WorkerState::Stale,
+        WorkerState::Degraded,
+        WorkerState::Incomplete,
+        WorkerState::Fresh,
+    ];
+
+    /// The state's name as the HTTP API and the metrics spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerState::RelayUnreachable => "relay_unreachable",
+            WorkerState::Stale => "stale",
+            WorkerState::Degraded => "degraded",
+            WorkerState::Incomplete => "incomplete",
+            WorkerState::Fresh => "fresh",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One worker (relay, DP rank) as the client knows it now.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct WorkerInfo {
+    /// The relay's URL, as added.
+    #[serde(serialize_with = "ser_arc_str")]
+    pub relay: Arc<str>,
+    /// The DP rank.
+    pub dp_rank: u32,
+    /// The worker's id in the prefix index.
+    #[serde(skip)]
+    pub id: WorkerId,
+    /// The state (see [`WorkerState`]).
+    pub state: WorkerState,
+    /// The latest load, when the relay knows it.
+    pub load: Option<Load>,
+    /// Time since the last batch, heartbeat or control of this rank (`None`: never).
+    #[serde(serialize_with = "ser_opt_ms", rename = "last_seen_ms_ago")]
+    pub last_seen_ago: Option<Duration>,
+    /// Why the relay reported the rank degraded, while it is.
+    pub degraded: Option<String>,
+    /// Why the relay reported the rank incomplete, while it is.
+    pub incomplete: Option<String>,
+    /// The relay's own status for the rank is `STOPPED` (its engine is not being followed).
+    pub engine_stopped: bool,
+    /// Records of this rank applied.
+    pub records_applied: u64,
+    /// Rank resets applied.
+    pub resets: u64,
+}
+
+/// Serializes an `Arc<str>` as a string (serde's `rc` feature is not enabled).
+pub(crate) fn ser_arc_str<S: serde::Serializer>(v: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(v)
+}
+
+fn ser_opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&(d.as_millis() as u64)),
+        None => s.serialize_none(),
+    }
+}

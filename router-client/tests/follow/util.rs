@@ -1,0 +1,144 @@
+//! Builders of stream messages, and a scripted admission with its expected state beside it.
+
+use std::sync::Arc;
+
+use kv_relay_proto::pb;
+use kv_relay_proto::pb::subscribe_response::Message as M;
+use kv_router_client::index::reference::ReferenceIndex;
+use kv_router_client::index::{LookupResult, PrefixIndex, StagedSnapshot, TierId, WorkerId};
+use kv_router_client::{ClientEvent, RelayAdmission, Verdict};
+use tokio::time::Instant;
+
+pub const URL: &str = "http://relay-a:50051";
+
+pub fn msg(m: M) -> pb::SubscribeResponse {
+    pb::SubscribeResponse { message: Some(m) }
+}
+
+pub fn stored(tier: pb::Tier, hashes: &[u64]) -> pb::Event {
+    pb::Event {
+        event: Some(pb::event::Event::Stored(pb::Stored {
+            tier: tier as i32,
+            block_size: 4,
+            blocks: hashes.iter().map(|&hash| pb::Block { hash, ..Default::default() }).collect(),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn removed(tier: pb::Tier, hashes: &[u64]) -> pb::Event {
+    pb::Event {
+        event: Some(pb::event::Event::Removed(pb::Removed {
+            tier: tier as i32,
+            block_hashes: hashes.to_vec(),
+            ..Default::default()
+        })),
+    }
+}
+
+pub fn load(running: f64) -> pb::Load {
+    pb::Load { running, waiting: 1.0, kv_usage: 0.5, scraped_at_ms: 7 }
+}
+
+pub fn batch(cursor: u64, dp_rank: u32, events: Vec<pb::Event>) -> pb::SubscribeResponse {
+    msg(M::Batch(pb::Batch { cursor, incarnation: 1, dp_rank, engine_seq: cursor, events, load: None, engine_ts: 0.0 }))
+}
+
+pub fn control(cursor: u64, dp_rank: u32, kind: pb::ControlKind, reason: &str) -> pb::SubscribeResponse {
+    msg(M::Control(pb::Control { cursor, incarnation: 1, dp_rank, kind: kind as i32, reason: reason.into() }))
+}
+
+pub fn heartbeat(dp_rank: u32, running: f64) -> pb::SubscribeResponse {
+    msg(M::Heartbeat(pb::Heartbeat { dp_rank, load: Some(load(running)), newest_cursor: 0, sent_at_ms: 0 }))
+}
+
+pub fn snap_begin(epoch: u64, cursor: u64, ranks: &[u32]) -> pb::SubscribeResponse {
+    msg(M::SnapshotBegin(pb::SnapshotBegin {
+        cursor,
+        epoch,
+        incarnation: 2,
+        block_count: None,
+        reason: pb::SnapshotReason::EpochChanged as i32,
+        ranks: ranks.to_vec(),
+    }))
+}
+
+/// `(rank, tier, hash, copies)` blocks.
+pub fn snap_chunk(blocks: &[(u32, pb::Tier, u64, u32)]) -> pb::SubscribeResponse {
+    msg(M::SnapshotChunk(pb::SnapshotChunk {
+        blocks: blocks
+            .iter()
+            .map(|&(dp_rank, tier, hash, copies)| pb::SnapshotBlock {
+                dp_rank,
+                tier: tier as i32,
+                hash,
+                copies,
+                block_size: 4,
+                ..Default::default()
+            })
+            .collect(),
+    }))
+}
+
+pub fn snap_end(cursor: u64) -> pb::SubscribeResponse {
+    msg(M::SnapshotEnd(pb::SnapshotEnd { cursor, incarnation: 2, block_count: 0 }))
+}
+
+/// One relay's admission over a real index, with the events it reported.
+pub struct Script {
+    pub index: PrefixIndex,
+    pub adm: RelayAdmission,
+    pub events: Vec<ClientEvent>,
+}
+
+impl Script {
+    pub fn new() -> Self {
+        let mut s = Script { index: PrefixIndex::default(), adm: RelayAdmission::new(URL), events: Vec::new() };
+        s.adm.on_connected(&mut s.events);
+        s.events.clear();
+        s
+    }
+
+    pub fn apply(&mut self, m: pb::SubscribeResponse) -> Verdict {
+        self.adm.apply(m, &self.index, Instant::now(), &mut self.events)
+    }
+
+    /// Applies messages that must all be accepted.
+    pub fn feed(&mut self, ms: impl IntoIterator<Item = pb::SubscribeResponse>) {
+        for m in ms {
+            let v = self.apply(m);
+            assert_eq!(v, Verdict::Continue);
+        }
+    }
+
+    pub fn worker(&self, dp_rank: u32) -> WorkerId {
+        self.index.worker(URL, dp_rank).unwrap()
+    }
+
+    pub fn lookup(&self, hashes: &[u64]) -> LookupResult {
+        self.index.lookup(hashes)
+    }
+}
+
+/// The expected state, built independently: `(rank, tier, hashes)` stores on a reference index.
+pub fn expected(s: &Script, state: &[(u32, TierId, &[u64])]) -> ReferenceIndex {
+    let mut r = ReferenceIndex::new();
+    for &(rank, tier, hashes) in state {
+        r.store(s.worker(rank), tier, hashes);
+    }
+    r
+}
+
+#[allow(dead_code)]
+pub fn staged(blocks: &[(TierId, u64, u32)]) -> StagedSnapshot {
+    let mut s = StagedSnapshot::new();
+    for &(t, h, c) in blocks {
+        s.push(t, h, c);
+    }
+    s
+}
+
+#[allow(dead_code)]
+pub fn arc(s: &str) -> Arc<str> {
+    Arc::from(s)
+}
