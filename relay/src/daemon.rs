@@ -92,12 +92,24 @@ pub async fn run(
     let loads: Arc<RwLock<Loads>> = Arc::default();
     let notices = notice_channel();
 
+    // Set by the committer when the store failed for good (see `STORE_FAILED_EXIT_AFTER`).
+    let store_failed: Arc<std::sync::Mutex<Option<StoreError>>> = Arc::default();
+    let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
     let committer = {
         let (store, loads, status) = (store.clone(), loads.clone(), status.clone());
         std::thread::Builder::new()
             .name("committer".into())
-            .spawn(move || commit_loop(rx, store, loads, status))
+            .spawn({
+                let store_failed = store_failed.clone();
+                move || commit_loop(rx, store, loads, status, (failed_tx, store_failed))
+            })
             .expect("spawning the committer")
+    };
+    let shutdown = async move {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = failed_rx.wait_for(|f| *f) => {}
+        }
     };
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
@@ -127,8 +139,18 @@ pub async fn run(
     if let Err(e) = store.flush() {
         tracing::error!(error = %e, "flushing the store at shutdown");
     }
+    if let Some(e) = store_failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        return Err(DaemonError::Store(e));
+    }
     served.map_err(|e| DaemonError::Serve(e.to_string()))
 }
+
+/// How long the committer retries a store that failed and must be reopened (after a write error
+/// such as a full disk, sled refuses every later write) before the daemon stops with that error,
+/// so that its supervisor (systemd `Restart=on-failure`, a pod's restart policy) reopens the
+/// store: the reopened store holds every commit before the failed one, and the relay refills
+/// the rest from the engine's replay socket. Meanwhile Status and metrics show the errors.
+pub const STORE_FAILED_EXIT_AFTER: Duration = Duration::from_secs(5);
 
 fn engine_name(cfg: &Config) -> String {
     format!("{} ({} ranks)", cfg.ingest.endpoint, cfg.ingest.dp_ranks.len())
@@ -138,7 +160,13 @@ fn engine_name(cfg: &Config) -> String {
 /// wakes, up to this many, goes in together.
 const COMMIT_GROUP: usize = 256;
 
-fn commit_loop(mut rx: mpsc::Receiver<IngestItem>, store: Store, loads: Arc<RwLock<Loads>>, status: RelayStatusHandle) {
+fn commit_loop(
+    mut rx: mpsc::Receiver<IngestItem>,
+    store: Store,
+    loads: Arc<RwLock<Loads>>,
+    status: RelayStatusHandle,
+    failed: (tokio::sync::watch::Sender<bool>, Arc<std::sync::Mutex<Option<StoreError>>>),
+) {
     let mut group: Vec<RecordBody> = Vec::with_capacity(COMMIT_GROUP);
     let mut batches: Vec<(u32, u64, f64)> = Vec::with_capacity(COMMIT_GROUP);
     while let Some(first) = rx.blocking_recv() {
@@ -163,6 +191,12 @@ fn commit_loop(mut rx: mpsc::Receiver<IngestItem>, store: Store, loads: Arc<RwLo
                 Ok(_) => break,
                 Err(e) => {
                     status.add("store_errors", 1);
+                    if matches!(e, StoreError::Failed { .. }) && started.elapsed() >= STORE_FAILED_EXIT_AFTER {
+                        tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
+                        *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        failed.0.send_replace(true);
+                        return;
+                    }
                     // Keep the records and retry: the queue backs up onto the engine's sockets.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
                     std::thread::sleep(backoff);

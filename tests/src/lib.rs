@@ -17,10 +17,12 @@
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).
 //! - [`metrics`]: the `/metrics` endpoint with the engines' load gauges.
 //! - [`client`]: SUB / DEALER helpers and free-port finding for loopback tests.
+//! - [`drills`]: the end-to-end fault drills (mock engine, `kv-relay` processes, subscribers).
 
 pub mod capture;
 pub mod client;
 pub mod decode;
+pub mod drills;
 pub mod engine;
 pub mod generate;
 pub mod hashing;

@@ -1,0 +1,790 @@
+//! The end-to-end fault drills (issue 8): a mock engine with several DP ranks and steady
+//! generated traffic, `kv-relay` as a separate process, and routers following it; each drill
+//! injects one fault, measures the recovery, and checks its pass rule. "Equal" means a
+//! subscriber's live blocks equal the mock engine's truth for every worker (rank), block for
+//! block, tier for tier and copy for copy.
+//!
+//! The router side is [`sub::Subscriber`], a small resuming subscriber of this kit (Subscribe,
+//! snapshots, controls, [`kv_relay::live::LiveBlocks`]).
+//!
+//! Every drill has a short form (seconds: `tests/tests/drills.rs`, run in CI) and a long form
+//! (`drills --long`: the soak rows at full length).
+
+pub mod harness;
+pub mod sub;
+
+use harness::*;
+use kv_relay_proto::pb;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::{Duration, Instant};
+use sub::Subscriber;
+
+/// One drill's outcome: its rule, what was measured, and every failed assertion.
+#[derive(Debug, Clone)]
+pub struct Report {
+    pub name: &'static str,
+    pub rule: &'static str,
+    pub measured: Vec<String>,
+    pub failures: Vec<String>,
+    /// Why the drill could not run here (it did not pass either).
+    pub skipped: Option<String>,
+}
+
+impl Report {
+    fn new(name: &'static str, rule: &'static str) -> Report {
+        Report { name, rule, measured: Vec::new(), failures: Vec::new(), skipped: None }
+    }
+
+    fn measure(&mut self, s: impl Into<String>) {
+        self.measured.push(s.into());
+    }
+
+    fn check(&mut self, ok: bool, what: impl Into<String>) -> bool {
+        if !ok {
+            self.failures.push(what.into());
+        }
+        ok
+    }
+
+    pub fn passed(&self) -> bool {
+        self.failures.is_empty() && self.skipped.is_none()
+    }
+
+    /// The report as printed by the `drills` binary.
+    pub fn text(&self) -> String {
+        let mut s = format!("== {}\nrule: {}\n", self.name, self.rule);
+        for m in &self.measured {
+            s += &format!("  measured: {m}\n");
+        }
+        for f in &self.failures {
+            s += &format!("  FAILED: {f}\n");
+        }
+        s += &match &self.skipped {
+            Some(why) => format!("SKIPPED: {why}\n"),
+            None if self.failures.is_empty() => "PASS\n".to_string(),
+            None => "FAIL\n".to_string(),
+        };
+        s
+    }
+}
+
+/// Short (CI) or long (soak rows at full length) form.
+#[derive(Debug, Clone, Copy)]
+pub struct Scale {
+    pub long: bool,
+}
+
+/// A drill: runs at a scale, reports.
+pub type Drill = fn(Scale) -> Report;
+
+/// Every drill by name, in the issue's order.
+pub const DRILLS: &[(&str, Drill)] = &[
+    ("router_restart", router_restart),
+    ("stale_cursor", stale_cursor),
+    ("wire_drops", wire_drops),
+    ("publisher_delay", publisher_delay),
+    ("publisher_restart", publisher_restart),
+    ("replay_gap", replay_gap),
+    ("relay_kill", relay_kill),
+    ("engine_gone", engine_gone),
+    ("slow_subscriber", slow_subscriber),
+    ("garbage", garbage),
+    ("soak", soak),
+    ("disk_full", disk_full),
+];
+
+/// What each drill needs: a runtime for the subscribers, a temp dir for state and logs.
+struct Ctx {
+    rt: tokio::runtime::Runtime,
+    dir: tempfile::TempDir,
+}
+
+impl Ctx {
+    fn new() -> Ctx {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        Ctx { rt, dir: tempfile::tempdir().expect("temp dir") }
+    }
+
+    fn relay(&self, e: &crate::engine::MockEngine, extra: &[&str]) -> RelayProc {
+        let state = self.dir.path().join("state");
+        RelayProc::start(e, &state, &self.dir.path().join("relay.log"), extra)
+    }
+
+    /// Waits until every rank of the engine holds blocks (traffic reached all of them).
+    fn warm(&self, e: &crate::engine::MockEngine) {
+        let dp = e.dp_size();
+        wait_until(Duration::from_secs(10), || {
+            let t = e.truth();
+            (0..dp).all(|k| t.blocks.iter().any(|(key, set)| key.rank == k && set.len() >= 8))
+        });
+    }
+
+    fn sub(&self, r: &RelayProc) -> Subscriber {
+        Subscriber::start(self.rt.handle(), r.url(), Duration::ZERO, None)
+    }
+}
+
+fn ms(d: Duration) -> String {
+    format!("{} ms", d.as_millis())
+}
+
+fn counter(s: &pb::StatusResponse, name: &str) -> u64 {
+    s.counters.get(name).copied().unwrap_or(0)
+}
+
+/// Waits (traffic held) for equality; records the result.
+fn expect_equal(
+    rep: &mut Report,
+    e: &crate::engine::MockEngine,
+    t: Option<&Traffic>,
+    subs: &[&Subscriber],
+    what: &str,
+    limit: Duration,
+) -> bool {
+    let start = Instant::now();
+    let ok = time_to_equal(e, t, subs, start, limit).is_some();
+    if ok {
+        let (keys, blocks, copies) = size_of(&truth_as_live(&e.truth()));
+        rep.measure(format!("{what}: equal ({keys} rank/tier/group sets, {blocks} blocks, {copies} copies)"));
+    } else {
+        let d: Vec<String> = subs.iter().map(|s| diff(e, &s.get())).collect();
+        rep.check(false, format!("{what}: not equal within {}: {}", ms(limit), d.join(" | ")));
+    }
+    ok
+}
+
+/// Keeps traffic running until the relay's history no longer holds `cursor + 1`.
+fn roll_history_past(rep: &mut Report, r: &RelayProc, cursor: u64) -> bool {
+    let rolled =
+        wait_until(Duration::from_secs(20), || status(&r.url()).map(|s| s.oldest_cursor > cursor + 1).unwrap_or(false));
+    let s = status(&r.url()).unwrap_or_default();
+    rep.measure(format!(
+        "history rolled: oldest cursor {} > router's {} (newest {})",
+        s.oldest_cursor, cursor, s.newest_cursor
+    ));
+    rep.check(rolled.is_some(), "the history never rolled past the router's cursor")
+}
+
+pub fn router_restart(scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "router restarted under load, relay history already rolled past its start",
+        "every worker equal within 2.5 s of the router's start",
+    );
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &["--history-batches", "100"]);
+    let t = Traffic::start(&e, 200, 1);
+    let a = cx.sub(&r);
+    std::thread::sleep(Duration::from_secs(if scale.long { 10 } else { 1 }));
+    let before = a.stop();
+    roll_history_past(&mut rep, &r, before.cursor);
+    let started = Instant::now();
+    let b = cx.sub(&r);
+    let took = time_to_equal(&e, Some(&t), &[&b], started, Duration::from_secs(5));
+    match took {
+        Some(d) => {
+            rep.measure(format!("restarted router equal {} after its start (under 200 req/s)", ms(d)));
+            rep.check(d <= Duration::from_millis(2500), format!("equal only after {}", ms(d)));
+        }
+        None => {
+            rep.check(false, format!("not equal within 5 s: {}", diff(&e, &b.get())));
+        }
+    }
+    let s = b.get();
+    rep.measure(format!("its snapshots: {:?}, gaps {}", s.snapshots, s.gaps));
+    rep.check(s.gaps == 0, "the router saw a cursor gap");
+    rep
+}
+
+pub fn stale_cursor(_scale: Scale) -> Report {
+    let mut rep =
+        Report::new("router's cursor older than the relay's history", "snapshot resync, equal, no rank left degraded");
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &["--history-batches", "100"]);
+    let t = Traffic::start(&e, 200, 2);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "first router", Duration::from_secs(10));
+    let saved = a.stop();
+    roll_history_past(&mut rep, &r, saved.cursor);
+    let started = Instant::now();
+    let b = Subscriber::start(cx.rt.handle(), r.url(), Duration::ZERO, Some(saved.clone()));
+    let took = time_to_equal(&e, Some(&t), &[&b], started, Duration::from_secs(10));
+    let s = b.get();
+    rep.measure(format!(
+        "resumed from cursor {}: snapshots {:?}, equal after {}",
+        saved.cursor,
+        s.snapshots,
+        took.map(ms).unwrap_or("never".into())
+    ));
+    rep.check(
+        s.snapshots.get("SNAPSHOT_REASON_CURSOR_TRIMMED").copied().unwrap_or(0) >= 1,
+        "no CURSOR_TRIMMED snapshot",
+    );
+    rep.check(took.is_some(), format!("never equal: {}", diff(&e, &s)));
+    rep.check(s.gaps == 0, "a cursor gap");
+    let st = status(&r.url()).unwrap_or_default();
+    let bad = not_ok_ranks(&st);
+    rep.measure(format!("ranks not OK: {bad:?}"));
+    rep.check(bad.is_empty() && s.degraded.is_empty(), format!("ranks left degraded: {bad:?} / {:?}", s.degraded));
+    rep
+}
+
+pub fn wire_drops(_scale: Scale) -> Report {
+    let mut rep =
+        Report::new("20 batches dropped on the wire", "refilled inside the relay; the router sees no gap; equal");
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 3);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let before = status(&r.url()).unwrap_or_default();
+    e.drop_on_wire(1, 20).expect("drop");
+    let served = t.served.load(std::sync::atomic::Ordering::Relaxed);
+    wait_until(Duration::from_secs(5), || t.served.load(std::sync::atomic::Ordering::Relaxed) > served + 120);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after", Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(300));
+    let after = status(&r.url()).unwrap_or_default();
+    let refilled = counter(&after, "rank1.refilled_batches") - counter(&before, "rank1.refilled_batches");
+    let lost: u64 = (0..4).map(|k| counter(&after, &format!("rank{k}.lost_batches"))).sum();
+    rep.measure(format!("relay refilled {refilled} batches of rank 1, lost {lost}"));
+    rep.check(refilled >= 20, format!("refilled {refilled}, want 20"));
+    rep.check(lost == 0, format!("lost {lost}"));
+    let s = a.get();
+    rep.measure(format!(
+        "router: {} records, gaps {}, snapshots {:?}, controls {:?}",
+        s.records, s.gaps, s.snapshots, s.controls
+    ));
+    rep.check(
+        s.gaps == 0 && s.snapshot_count() == 0 && s.controls.is_empty(),
+        "the router saw a gap, snapshot or control",
+    );
+    rep
+}
+
+pub fn publisher_delay(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "publisher delayed 1.5 s",
+        "the lag is visible in status and metrics within 2 s; nothing lost; equal after",
+    );
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 4);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let start = Instant::now();
+    e.delay(2, Duration::from_millis(1500)).expect("delay");
+    let (mut in_status, mut in_metrics) = (None, None);
+    let (mut max_status, mut max_metric) = (0u64, 0f64);
+    while start.elapsed() < Duration::from_secs(3) && (in_status.is_none() || in_metrics.is_none()) {
+        if let Ok(s) = status(&r.url()) {
+            let lag = s.ranks.iter().find(|k| k.dp_rank == 2).map_or(0, |k| k.lag_ms);
+            max_status = max_status.max(lag);
+            if lag >= 1000 && in_status.is_none() {
+                in_status = Some(start.elapsed());
+            }
+        }
+        let m = metric(&r.metrics_text(), "kv_relay_ingest_lag_seconds", &["rank=\"2\""]).unwrap_or(0.0);
+        max_metric = max_metric.max(m);
+        if m >= 1.0 && in_metrics.is_none() {
+            in_metrics = Some(start.elapsed());
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    rep.measure(format!(
+        "lag ≥ 1 s in Status after {}, in metrics after {} (max seen: status {} ms, metric {:.3} s)",
+        in_status.map(ms).unwrap_or("never".into()),
+        in_metrics.map(ms).unwrap_or("never".into()),
+        max_status,
+        max_metric
+    ));
+    rep.check(in_status.is_some_and(|d| d <= Duration::from_secs(2)), "lag not visible in Status within 2 s");
+    rep.check(in_metrics.is_some_and(|d| d <= Duration::from_secs(2)), "lag not visible in metrics within 2 s");
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after", Duration::from_secs(10));
+    let st = status(&r.url()).unwrap_or_default();
+    let lost: u64 = (0..4).map(|k| counter(&st, &format!("rank{k}.lost_batches"))).sum();
+    let s = a.get();
+    rep.check(
+        lost == 0 && s.gaps == 0 && s.controls.is_empty(),
+        format!("lost {lost}, gaps {}, controls {:?}", s.gaps, s.controls),
+    );
+    rep
+}
+
+pub fn publisher_restart(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "publisher restarted (one rank of four)",
+        "that rank reset and rebuilt, the other three untouched; equal",
+    );
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 5);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let before = status(&r.url()).unwrap_or_default();
+    let controls_before = a.get().controls.len();
+    let start = Instant::now();
+    t.hold(|| e.restart(2)).expect("restart");
+    let took = time_to_equal(&e, Some(&t), &[&a], start, Duration::from_secs(10));
+    rep.measure(format!("equal {} after the restart", took.map(ms).unwrap_or("never".into())));
+    rep.check(took.is_some(), format!("not equal: {}", diff(&e, &a.get())));
+    // Status counters are copied from the rank threads every 250 ms.
+    wait_until(Duration::from_secs(2), || {
+        status(&r.url())
+            .map(|s| counter(&s, "rank2.publisher_restarts") > counter(&before, "rank2.publisher_restarts"))
+            .unwrap_or(false)
+    });
+    let after = status(&r.url()).unwrap_or_default();
+    let s = a.get();
+    let new_controls = &s.controls[controls_before..];
+    rep.measure(format!("controls the router got: {new_controls:?}"));
+    rep.check(new_controls.contains(&(2, "rank_reset")), "no rank_reset for rank 2");
+    rep.check(new_controls.iter().all(|c| c.0 == 2), "a control for another rank");
+    for k in 0..4 {
+        let d = counter(&after, &format!("rank{k}.publisher_restarts"))
+            - counter(&before, &format!("rank{k}.publisher_restarts"));
+        rep.check((k == 2) == (d >= 1), format!("rank {k}: {d} publisher restarts counted"));
+    }
+    rep.check(s.gaps == 0, "a cursor gap");
+    rep
+}
+
+pub fn replay_gap(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "gap beyond the engine's replay buffer",
+        "rank marked degraded in status, metrics and stream; recovers at the next clear or restart",
+    );
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 6);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let start = Instant::now();
+    e.lose(1, 3).expect("lose");
+    let seen = std::cell::RefCell::new(String::new());
+    let degraded = |want: bool| {
+        let st = status(&r.url()).ok().and_then(|s| s.ranks.iter().find(|k| k.dp_rank == 1).map(|k| k.state));
+        let in_status = st == Some(if want { pb::RankState::Degraded } else { pb::RankState::Ok } as i32);
+        let m = metric(&r.metrics_text(), "kv_relay_rank_degraded", &["rank=\"1\""]);
+        let in_metrics = m == Some(if want { 1.0 } else { 0.0 });
+        let in_stream = a.get().degraded.contains(&1) == want;
+        *seen.borrow_mut() = format!("status state {st:?}, metric {m:?}, stream degraded {:?}", a.get().degraded);
+        in_status && in_metrics && in_stream
+    };
+    let took = wait_until(Duration::from_secs(5), || degraded(true));
+    rep.measure(format!(
+        "degraded in status, metrics and stream {} after the loss",
+        took.map(ms).unwrap_or("never".into())
+    ));
+    rep.check(took.is_some(), format!("rank 1 not degraded in all three: {}", seen.borrow()));
+    let others = status(&r.url()).map(|s| not_ok_ranks(&s)).unwrap_or_default();
+    rep.check(others.iter().all(|x| x.0 == 1), format!("other ranks not OK: {others:?}"));
+    let start2 = Instant::now();
+    t.hold(|| e.clear(1)).expect("clear");
+    let rec = wait_until(Duration::from_secs(5), || degraded(false));
+    rep.measure(format!("recovered in all three {} after the clear", rec.map(ms).unwrap_or("never".into())));
+    rep.check(rec.is_some(), format!("rank 1 did not recover after the clear: {}", seen.borrow()));
+    rep.check(a.get().controls.contains(&(1, "rank_recovered")), "no rank_recovered in the stream");
+    let _ = (start, start2);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after", Duration::from_secs(10));
+    rep
+}
+
+pub fn relay_kill(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "relay killed with SIGKILL under load, restarted",
+        "router resumes or resyncs on its own; equal within 2.5 s of the relay's restart",
+    );
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let mut r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 7);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    for round in 0..3 {
+        std::thread::sleep(Duration::from_millis(500));
+        let before = a.get();
+        r.kill();
+        std::thread::sleep(Duration::from_millis(300));
+        let start = Instant::now();
+        r.spawn_only();
+        let took = time_to_equal(&e, Some(&t), &[&a], start, Duration::from_secs(8));
+        let s = a.get();
+        rep.measure(format!(
+            "kill {}: equal {} after the restart (router cursor {} -> {}, snapshots {:?}, gaps {})",
+            round + 1,
+            took.map(ms).unwrap_or("never".into()),
+            before.cursor,
+            s.cursor,
+            s.snapshots,
+            s.gaps
+        ));
+        match took {
+            Some(d) => {
+                rep.check(d <= Duration::from_millis(2500), format!("kill {}: equal only after {}", round + 1, ms(d)));
+            }
+            None => {
+                rep.check(
+                    false,
+                    format!("kill {}: never equal: {}; relay log:\n{}", round + 1, diff(&e, &s), r.log_tail()),
+                );
+            }
+        }
+        rep.check(s.gaps == 0, "a cursor gap");
+    }
+    rep
+}
+
+pub fn engine_gone(scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "engine gone for 10 s, then back",
+        "relay keeps serving history and status; reconnects; equal after",
+    );
+    let gone = Duration::from_secs(if scale.long { 10 } else { 2 });
+    let cx = Ctx::new();
+    let e = engine(2, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 8);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let before = status(&r.url()).unwrap_or_default();
+    t.hold(|| {
+        for k in 0..2 {
+            e.stop(k).expect("stop");
+        }
+    });
+    let start = Instant::now();
+    let (mut calls, mut failed) = (0, 0);
+    while start.elapsed() < gone {
+        calls += 1;
+        let ok = status(&r.url()).is_ok() && history(&r.url(), 1, 10).map(|h| !h.is_empty()).unwrap_or(false);
+        if !ok {
+            failed += 1;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    rep.measure(format!("engine gone {}: {calls} Status+History calls, {failed} failed", ms(gone)));
+    rep.check(failed == 0, format!("{failed} calls failed while the engine was gone"));
+    let back = Instant::now();
+    t.hold(|| {
+        for k in 0..2 {
+            e.start_rank(k).expect("start");
+        }
+    });
+    let took = time_to_equal(&e, Some(&t), &[&a], back, Duration::from_secs(15));
+    rep.measure(format!("equal {} after the engine came back", took.map(ms).unwrap_or("never".into())));
+    rep.check(took.is_some(), format!("never equal: {}", diff(&e, &a.get())));
+    let restarted = |s: &pb::StatusResponse| {
+        (0..2)
+            .map(|k| {
+                counter(s, &format!("rank{k}.publisher_restarts"))
+                    - counter(&before, &format!("rank{k}.publisher_restarts"))
+            })
+            .collect::<Vec<u64>>()
+    };
+    wait_until(Duration::from_secs(2), || {
+        status(&r.url()).map(|s| restarted(&s).iter().all(|&n| n >= 1)).unwrap_or(false)
+    });
+    let after = status(&r.url()).unwrap_or_default();
+    let restarts: Vec<u64> = (0..2)
+        .map(|k| {
+            counter(&after, &format!("rank{k}.publisher_restarts"))
+                - counter(&before, &format!("rank{k}.publisher_restarts"))
+        })
+        .collect();
+    rep.measure(format!("publisher restarts seen per rank: {restarts:?}; ranks not OK: {:?}", not_ok_ranks(&after)));
+    rep.check(restarts.iter().all(|&n| n >= 1), "a rank's reconnection not seen");
+    rep
+}
+
+pub fn slow_subscriber(scale: Scale) -> Report {
+    let mut rep =
+        Report::new("slow subscriber beside fast ones", "fast ones unaffected; relay RSS bounded; slow one resyncs");
+    // The slow one stops reading for a while (a stalled router; 64 KiB HTTP/2 windows), then
+    // reads at 20 ms a message. While it stalls, the relay's buffers for it fill (a page of 256
+    // records, a 64-message channel, HTTP/2 send buffers) and its producer stops; the 500-batch
+    // history rolls past it. When it reads again it drains what was buffered, is told to
+    // resync, and converges from a snapshot.
+    let stall = Duration::from_secs(if scale.long { 60 } else { 10 });
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &["--history-batches", "500"]);
+    let t = Traffic::start(&e, 300, 9);
+    let fast: Vec<Subscriber> = (0..3).map(|_| cx.sub(&r)).collect();
+    let slow = Subscriber::start(cx.rt.handle(), r.url(), Duration::from_millis(20), None);
+    cx.warm(&e);
+    std::thread::sleep(Duration::from_millis(500));
+    slow.set_paused(true);
+    let rss0 = r.rss_kib().unwrap_or(0);
+    let mut rss_max = rss0;
+    let start = Instant::now();
+    while start.elapsed() < stall {
+        rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    slow.set_paused(false);
+    let resynced = wait_until(Duration::from_secs(60), || {
+        rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
+        let s = slow.get();
+        s.resyncs >= 1 && s.snapshots.get("SNAPSHOT_REASON_CURSOR_TRIMMED").copied().unwrap_or(0) >= 1
+    });
+    let s = slow.get();
+    let (newest, oldest) = status(&r.url()).map(|x| (x.newest_cursor, x.oldest_cursor)).unwrap_or((0, 0));
+    rep.measure(format!(
+        "slow one stalled {}, then 20 ms a message: told to resync {} after it read again; now at cursor {} (history {oldest}..{newest}), resyncs {}, snapshots {:?}",
+        ms(stall),
+        resynced.map(ms).unwrap_or("never".into()),
+        s.cursor,
+        s.resyncs,
+        s.snapshots
+    ));
+    rep.check(resynced.is_some(), "the slow one was not told to resync");
+    rep.measure(format!("relay RSS {} KiB before the stall, max {} KiB", rss0, rss_max));
+    rep.check(rss_max < rss0 + 64 * 1024, "relay RSS grew by more than 64 MiB");
+    let fs: Vec<_> = fast.iter().map(Subscriber::get).collect();
+    rep.measure(format!(
+        "fast: resyncs {:?}, gaps {:?}, snapshots {:?}",
+        fs.iter().map(|x| x.resyncs).collect::<Vec<_>>(),
+        fs.iter().map(|x| x.gaps).collect::<Vec<_>>(),
+        fs.iter().map(|x| x.snapshot_count()).collect::<Vec<_>>()
+    ));
+    rep.check(fs.iter().all(|x| x.resyncs == 0 && x.gaps == 0 && x.snapshot_count() == 0), "a fast one was affected");
+    let refs: Vec<&Subscriber> = fast.iter().collect();
+    expect_equal(&mut rep, &e, Some(&t), &refs, "fast ones", Duration::from_secs(10));
+    drop(t);
+    expect_equal(&mut rep, &e, None, &[&slow], "slow one after the traffic stops", Duration::from_secs(30));
+    rep
+}
+
+pub fn garbage(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "garbage and truncated frames mixed into the stream",
+        "counted by reason; every well-formed event applied; equal",
+    );
+    use crate::engine::Garbage;
+    let cx = Ctx::new();
+    let e = engine(2, 10_000);
+    let r = cx.relay(&e, &[]);
+    let t = Traffic::start(&e, 200, 10);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let m0 = r.metrics_text();
+    let n = 5u64;
+    for i in 0..n {
+        for g in Garbage::ALL {
+            e.garbage((i % 2) as u32, g).expect("garbage");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after", Duration::from_secs(10));
+    std::thread::sleep(Duration::from_millis(300));
+    let m1 = r.metrics_text();
+    let by = |name: &str, reason: &str| {
+        let l = format!("reason=\"{reason}\"");
+        metric(&m1, name, &[&l]).unwrap_or(0.0) - metric(&m0, name, &[&l]).unwrap_or(0.0)
+    };
+    // Each kind under its own reason: frames that are not a batch are message errors; a batch
+    // cut short or with a malformed event loses only that event.
+    let mut counts = BTreeMap::new();
+    for (metric_name, reason) in [
+        ("kv_relay_message_errors_total", "wrong_frame_count"),
+        ("kv_relay_message_errors_total", "bad_seq_frame"),
+        ("kv_relay_message_errors_total", "not_msgpack"),
+        ("kv_relay_dropped_events_total", "truncated_event"),
+        ("kv_relay_dropped_events_total", "invalid_block_hashes"),
+    ] {
+        counts.insert(reason, by(metric_name, reason));
+    }
+    rep.measure(format!("injected {n} of each of 5 kinds; counted by reason {counts:?}"));
+    for (reason, c) in &counts {
+        rep.check(*c >= n as f64, format!("{reason}: counted {c}, injected {n}"));
+    }
+    let s = a.get();
+    let st = status(&r.url()).unwrap_or_default();
+    rep.check(
+        s.gaps == 0 && not_ok_ranks(&st).is_empty(),
+        format!("gaps {} / ranks not OK {:?}", s.gaps, not_ok_ranks(&st)),
+    );
+    rep
+}
+
+pub fn soak(scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "64 subscribers for 10 minutes of steady traffic",
+        "none falls behind; relay RSS flat (growth under 10%) after warm-up",
+    );
+    let (subs_n, warm, run) = if scale.long {
+        (64, Duration::from_secs(60), Duration::from_secs(600))
+    } else {
+        (16, Duration::from_secs(5), Duration::from_secs(20))
+    };
+    let cx = Ctx::new();
+    let e = engine(4, 10_000);
+    let r = cx.relay(&e, &["--history-batches", "2000"]);
+    let t = Traffic::start(&e, 200, 11);
+    let subs: Vec<Subscriber> = (0..subs_n).map(|_| cx.sub(&r)).collect();
+    std::thread::sleep(warm);
+    let rss0 = r.rss_kib().unwrap_or(0);
+    let (mut rss_max, mut behind, mut checks) = (rss0, 0u64, 0u64);
+    let start = Instant::now();
+    while start.elapsed() < run {
+        let Ok(s) = status(&r.url()) else {
+            behind += 1;
+            continue;
+        };
+        std::thread::sleep(Duration::from_secs(1));
+        checks += 1;
+        // Every subscriber has what was committed a second ago.
+        behind += subs.iter().filter(|x| x.get().cursor < s.newest_cursor).count() as u64;
+        rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
+    }
+    let growth = (rss_max as f64 - rss0 as f64) / rss0.max(1) as f64 * 100.0;
+    let newest = status(&r.url()).map(|s| s.newest_cursor).unwrap_or(0);
+    rep.measure(format!(
+        "{subs_n} subscribers, {} after {} warm-up, newest cursor {newest}: {behind} of {} checks behind by > 1 s",
+        ms(run),
+        ms(warm),
+        checks * subs_n as u64
+    ));
+    rep.measure(format!("relay RSS {rss0} KiB after warm-up, max {rss_max} KiB ({growth:.1}% growth)"));
+    rep.check(behind == 0, "a subscriber fell behind");
+    rep.check(growth < 10.0, format!("RSS grew {growth:.1}%"));
+    let all: Vec<_> = subs.iter().map(Subscriber::get).collect();
+    rep.check(all.iter().all(|x| x.gaps == 0 && x.resyncs == 0), "a subscriber saw a gap or resync");
+    let refs: Vec<&Subscriber> = subs.iter().collect();
+    expect_equal(&mut rep, &e, Some(&t), &refs, "every subscriber", Duration::from_secs(10));
+    rep
+}
+
+/// Mounts a tmpfs of `mib` MiB at `at`; false when this machine cannot.
+fn mount_tmpfs(at: &Path, mib: u64) -> Result<(), String> {
+    std::fs::create_dir_all(at).map_err(|e| e.to_string())?;
+    let out = std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={mib}m"), "tmpfs"])
+        .arg(at)
+        .output()
+        .map_err(|e| format!("running mount: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!("mount -t tmpfs failed: {}", String::from_utf8_lossy(&out.stderr).trim()))
+    }
+}
+
+/// Fills the filesystem of `path` until it reports no space left; bytes written.
+fn fill(path: &Path) -> u64 {
+    use std::io::Write;
+    let mut f = match std::fs::File::create(path) {
+        Ok(f) => f,
+        Err(_) => return 0,
+    };
+    let chunk = vec![0u8; 64 << 10];
+    let mut n = 0u64;
+    while f.write_all(&chunk).is_ok() {
+        n += chunk.len() as u64;
+    }
+    let small = [0u8; 512];
+    while f.write_all(&small).is_ok() {
+        n += small.len() as u64;
+    }
+    let _ = f.flush();
+    n
+}
+
+pub fn disk_full(_scale: Scale) -> Report {
+    let mut rep =
+        Report::new("relay's disk full", "clear error and metric; no corrupt store; recovers when space returns");
+    let cx = Ctx::new();
+    let mnt = cx.dir.path().join("disk");
+    if let Err(why) = mount_tmpfs(&mnt, 64) {
+        rep.skipped = Some(format!("cannot make a small filesystem here: {why}"));
+        return rep;
+    }
+    struct Unmount(std::path::PathBuf);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("umount").arg("-l").arg(&self.0).status();
+        }
+    }
+    let _unmount = Unmount(mnt.clone());
+    let e = engine(2, 10_000);
+    let mut r =
+        RelayProc::start(&e, &mnt.join("state"), &cx.dir.path().join("relay.log"), &["--history-batches", "100000"]);
+    let t = Traffic::start(&e, 200, 12);
+    let a = cx.sub(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let filler = mnt.join("filler");
+    let filled = fill(&filler);
+    rep.measure(format!("filled the 64 MiB tmpfs with {} MiB", filled >> 20));
+    let errors = wait_until(Duration::from_secs(30), || {
+        let s = status(&r.url()).map(|s| counter(&s, "store_errors")).unwrap_or(0);
+        let m = metric(&r.metrics_text(), "kv_relay_store_errors_total", &[]).unwrap_or(0.0);
+        // Top the disk up: sled may have freed space it had reserved.
+        let _ = fill(&mnt.join("filler2"));
+        s > 0 && m > 0.0
+    });
+    rep.measure(format!(
+        "store errors in Status and metrics {} after the disk filled",
+        errors.map(ms).unwrap_or("never".into())
+    ));
+    rep.check(errors.is_some(), "no store error counted");
+    let log = std::fs::read_to_string(&r.log).unwrap_or_default();
+    let clear = log.lines().find(|l| l.contains("commit failed") || l.to_lowercase().contains("no space"));
+    rep.measure(format!("log: {}", clear.unwrap_or("(none)").chars().take(300).collect::<String>()));
+    rep.check(clear.is_some_and(|l| l.to_lowercase().contains("space")), "no clear 'no space' error in the log");
+    // A store that failed cannot be written again until it is reopened: the relay stops (exit
+    // status 1) after `STORE_FAILED_EXIT_AFTER`, and its supervisor restarts it. This drill plays
+    // the supervisor.
+    let epoch = status(&r.url()).map(|s| s.epoch).unwrap_or(0);
+    let exit = wait_until(Duration::from_secs(20), || r.exited().is_some());
+    let code = r.exited();
+    rep.measure(format!("relay exited {} after the errors began ({code:?})", exit.map(ms).unwrap_or("never".into())));
+    rep.check(code.is_some_and(|c| !c.success()), "the relay did not stop with an error on a failed store");
+    let _ = std::fs::remove_file(&filler);
+    let _ = std::fs::remove_file(mnt.join("filler2"));
+    let back = Instant::now();
+    r.spawn();
+    let took = time_to_equal(&e, Some(&t), &[&a], back, Duration::from_secs(20));
+    rep.measure(format!("space returned, relay restarted: equal {} later", took.map(ms).unwrap_or("never".into())));
+    if took.is_none() {
+        rep.measure(format!("relay log:\n{}", r.log_tail()));
+    }
+    if took.is_none() {
+        let relay_equal = t.hold(|| {
+            let _ = e.flush();
+            std::thread::sleep(Duration::from_millis(500));
+            snapshot(&r.url()).map(|(_, b)| b == truth_as_live(&e.truth()))
+        });
+        rep.measure(format!("the relay's own snapshot equals the truth: {relay_equal:?}"));
+    }
+    rep.check(took.is_some(), format!("not equal after space returned: {}", diff(&e, &a.get())));
+    // No corrupt store: it reopened with its epoch, and its history is contiguous.
+    let s = status(&r.url()).unwrap_or_default();
+    let h = history(&r.url(), 0, 100_000).unwrap_or_default();
+    let cursors: Vec<u64> = h.iter().map(record_cursor).collect();
+    let contiguous = cursors.windows(2).all(|w| w[1] == w[0] + 1);
+    rep.measure(format!(
+        "reopened: epoch kept {}, {} history records {}..{}, contiguous {contiguous}",
+        s.epoch == epoch,
+        cursors.len(),
+        cursors.first().unwrap_or(&0),
+        cursors.last().unwrap_or(&0)
+    ));
+    rep.check(s.epoch == epoch && contiguous && !cursors.is_empty(), "the store did not reopen intact");
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after the reopen", Duration::from_secs(10));
+    rep
+}

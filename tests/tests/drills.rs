@@ -1,0 +1,83 @@
+//! The fault drills of issue 8 in their short form (seconds each): every pass rule is an
+//! assertion. Needs the `kv-relay` binary: `cargo build -p kv-relay --bins` (or `KV_RELAY_BIN`).
+//! The long form: `cargo run -p kv-relay-testkit --bin drills -- --long`.
+
+use kv_relay_testkit::drills::{self, Report, Scale};
+
+/// One drill at a time: they measure timings and RSS, and share two cores with everything else.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn run(f: fn(Scale) -> Report) {
+    let _one = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
+    let r = f(Scale { long: false });
+    println!("{}", r.text());
+    if let Some(why) = &r.skipped {
+        println!("SKIPPED: {} ({why})", r.name);
+        return;
+    }
+    assert!(r.passed(), "{}", r.text());
+}
+
+#[test]
+fn router_restarted_under_load_is_equal_within_2500ms() {
+    run(drills::router_restart);
+}
+
+#[test]
+fn router_cursor_older_than_history_resyncs_from_a_snapshot() {
+    run(drills::stale_cursor);
+}
+
+#[test]
+fn twenty_batches_dropped_on_the_wire_are_refilled_without_a_gap() {
+    run(drills::wire_drops);
+}
+
+#[test]
+fn publisher_delay_shows_as_lag_and_loses_nothing() {
+    run(drills::publisher_delay);
+}
+
+#[test]
+fn publisher_restart_resets_only_that_rank() {
+    run(drills::publisher_restart);
+}
+
+#[test]
+fn gap_beyond_replay_buffer_degrades_the_rank_until_a_clear() {
+    run(drills::replay_gap);
+}
+
+#[test]
+fn relay_killed_under_load_is_equal_within_2500ms_of_its_restart() {
+    run(drills::relay_kill);
+}
+
+#[test]
+fn engine_gone_then_back_keeps_serving_and_converges() {
+    run(drills::engine_gone);
+}
+
+#[test]
+fn slow_subscriber_resyncs_and_leaves_fast_ones_alone() {
+    run(drills::slow_subscriber);
+}
+
+#[test]
+fn garbage_frames_are_counted_by_reason_and_good_events_applied() {
+    run(drills::garbage);
+}
+
+// Fails today (see docs/drills.md, "64 subscribers"): subscribers fall more than 1 s behind and the
+// relay's RSS grows well past 10% after warm-up. Kept with its rule unchanged; run it with
+// `cargo test -p kv-relay-testkit --test drills -- --ignored` or `drills --only soak`.
+#[test]
+#[ignore = "fails: subscribers fall behind and relay RSS grows (docs/drills.md); not yet fixed"]
+fn many_subscribers_keep_up_and_relay_rss_stays_flat() {
+    run(drills::soak);
+}
+
+#[test]
+fn disk_full_counts_errors_keeps_the_store_and_recovers() {
+    run(drills::disk_full);
+}
