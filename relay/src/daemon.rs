@@ -124,6 +124,7 @@ pub async fn run(
         stop_rx.clone(),
     )));
     tasks.push(tokio::spawn(status_loop(ingest.status.clone(), status.clone(), stop_rx.clone())));
+    tasks.push(tokio::spawn(store_gauges_loop(store.clone(), status.clone(), stop_rx.clone())));
 
     on_ready(Running { store: store.clone(), status: status.clone(), listen });
     let server_cfg = ServerConfig { listen, ..cfg.server.clone() };
@@ -156,6 +157,32 @@ fn engine_name(cfg: &Config) -> String {
     format!("{} ({} ranks)", cfg.ingest.endpoint, cfg.ingest.dp_ranks.len())
 }
 
+/// The ingest lag a rank reports: the largest of the batches committed in the last
+/// [`LAG_WINDOW`]. A delayed publisher's held batches arrive in one burst, oldest first, and
+/// are committed together with the newest: the last batch's lag alone would hide the delay.
+#[derive(Default)]
+struct LagWindow {
+    since: Option<Instant>,
+    max_ms: u64,
+}
+
+/// How long a lag stays reported after its batch was committed.
+const LAG_WINDOW: Duration = Duration::from_secs(2);
+
+impl LagWindow {
+    /// Adds a committed batch's lag; returns the lag to report.
+    fn add(&mut self, lag_ms: u64) -> u64 {
+        match self.since {
+            Some(t) if t.elapsed() < LAG_WINDOW => self.max_ms = self.max_ms.max(lag_ms),
+            _ => {
+                self.since = Some(Instant::now());
+                self.max_ms = lag_ms;
+            }
+        }
+        self.max_ms
+    }
+}
+
 /// Most records committed in one sled transaction: what is already queued when the committer
 /// wakes, up to this many, goes in together.
 const COMMIT_GROUP: usize = 256;
@@ -169,6 +196,7 @@ fn commit_loop(
 ) {
     let mut group: Vec<RecordBody> = Vec::with_capacity(COMMIT_GROUP);
     let mut batches: Vec<(u32, u64, f64)> = Vec::with_capacity(COMMIT_GROUP);
+    let mut lag_window: BTreeMap<u32, LagWindow> = BTreeMap::new();
     while let Some(first) = rx.blocking_recv() {
         let mut next = Some(first);
         while let Some(item) = next.take() {
@@ -209,10 +237,45 @@ fn commit_loop(
         group.clear();
         let now = now_ms() as f64;
         for (rank, seq, ts) in batches.drain(..) {
-            let lag_ms = (now - ts * 1000.0).max(0.0) as u64;
+            let lag_ms = lag_window.entry(rank).or_default().add((now - ts * 1000.0).max(0.0) as u64);
             metrics::gauge!("kv_relay_ingest_lag_seconds", "rank" => rank.to_string()).set(lag_ms as f64 / 1000.0);
             status.batch_committed(rank, seq, lag_ms);
         }
+    }
+}
+
+/// Exports the store's and the server's sizes as gauges, every second: history size, live blocks
+/// and copies by rank, tier and group, and the subscribers connected.
+async fn store_gauges_loop(store: Store, status: RelayStatusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut seen: std::collections::BTreeSet<(String, String, String)> = Default::default();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => return,
+            _ = tick.tick() => {}
+        }
+        let s = store.clone();
+        let Ok((hist, live)) = tokio::task::spawn_blocking(move || (s.history_stats(), s.live_summary())).await else {
+            continue;
+        };
+        metrics::gauge!("kv_relay_history_records").set(hist.batches as f64);
+        metrics::gauge!("kv_relay_history_bytes").set(hist.bytes as f64);
+        metrics::gauge!("kv_relay_subscribers").set(f64::from(status.get().subscribers));
+        let mut now = std::collections::BTreeSet::new();
+        for g in live {
+            let key = (g.dp_rank.to_string(), g.tier.to_string(), g.group.to_string());
+            metrics::gauge!("kv_relay_live_blocks", "rank" => key.0.clone(), "tier" => key.1.clone(), "group" => key.2.clone())
+                .set(g.blocks as f64);
+            metrics::gauge!("kv_relay_live_copies", "rank" => key.0.clone(), "tier" => key.1.clone(), "group" => key.2.clone())
+                .set(g.copies as f64);
+            now.insert(key);
+        }
+        // A group that emptied reads 0, not its last value.
+        for (r, t, g) in seen.difference(&now) {
+            metrics::gauge!("kv_relay_live_blocks", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone()).set(0.0);
+            metrics::gauge!("kv_relay_live_copies", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone()).set(0.0);
+        }
+        seen = now;
     }
 }
 
