@@ -272,8 +272,10 @@ async fn store_gauges_loop(store: Store, status: RelayStatusHandle, mut stop: to
         }
         // A group that emptied reads 0, not its last value.
         for (r, t, g) in seen.difference(&now) {
-            metrics::gauge!("kv_relay_live_blocks", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone()).set(0.0);
-            metrics::gauge!("kv_relay_live_copies", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone()).set(0.0);
+            metrics::gauge!("kv_relay_live_blocks", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone())
+                .set(0.0);
+            metrics::gauge!("kv_relay_live_copies", "rank" => r.clone(), "tier" => t.clone(), "group" => g.clone())
+                .set(0.0);
         }
         seen = now;
     }

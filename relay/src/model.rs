@@ -111,9 +111,9 @@ pub struct Bytes(pub Vec<u8>);
 
 mod hex_bytes {
     use super::Bytes;
-    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use serde::{Deserializer, Serialize, Serializer};
 
-    #[derive(Serialize, Deserialize)]
+    #[derive(Serialize)]
     struct Hex {
         bytes_hex: String,
     }
@@ -123,9 +123,28 @@ mod hex_bytes {
         Hex { bytes_hex }.serialize(s)
     }
 
+    /// Only a map `{"bytes_hex": …}` is a byte string: a derived struct would also accept a
+    /// one-element sequence, and an untagged `KeyPart::List(["ab"])` would read back as bytes.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Bytes, D::Error> {
-        let h = Hex::deserialize(d)?;
-        let s = h.bytes_hex.as_bytes();
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = String;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a map {\"bytes_hex\": hex}")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<String, A::Error> {
+                let mut hex = None;
+                while let Some(k) = m.next_key::<String>()? {
+                    if k != "bytes_hex" || hex.is_some() {
+                        return Err(serde::de::Error::custom("expected only bytes_hex"));
+                    }
+                    hex = Some(m.next_value::<String>()?);
+                }
+                hex.ok_or_else(|| serde::de::Error::missing_field("bytes_hex"))
+            }
+        }
+        let hex = d.deserialize_map(V)?;
+        let s = hex.as_bytes();
         if s.len() % 2 != 0 {
             return Err(serde::de::Error::custom("odd hex length"));
         }
@@ -373,5 +392,15 @@ mod tests {
         let k = KeyPart::List(vec![KeyPart::Str("a".into()), KeyPart::Bytes(Bytes(vec![0xab, 1]))]);
         let j = serde_json::to_string(&k).unwrap();
         assert_eq!(j, r#"["a",{"bytes_hex":"ab01"}]"#);
+        assert_eq!(serde_json::from_str::<KeyPart>(&j).unwrap(), k);
+    }
+
+    #[test]
+    fn a_one_string_list_does_not_read_back_as_bytes() {
+        let k = KeyPart::List(vec![KeyPart::Str("ab".into())]);
+        let j = serde_json::to_string(&k).unwrap();
+        assert_eq!(serde_json::from_str::<KeyPart>(&j).unwrap(), k);
+        let m = KeyPart::Map(MapParts { map: vec![(KeyPart::Str("k".into()), KeyPart::UInt(u64::MAX))] });
+        assert_eq!(serde_json::from_str::<KeyPart>(&serde_json::to_string(&m).unwrap()).unwrap(), m);
     }
 }

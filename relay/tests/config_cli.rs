@@ -139,10 +139,8 @@ fn the_relay_tells_systemd_ready_then_pings_the_watchdog_then_stopping_on_sigter
     while !after.iter().any(|m: &String| m == "WATCHDOG=1") {
         after.push(recv());
     }
-    // kv-relay.rs installs its SIGTERM handler when the server first polls the shutdown future,
-    // just after READY=1: a SIGTERM before that kills the relay undrained (exit 143). Until the
-    // handler is installed before `run`, give it a moment.
-    std::thread::sleep(Duration::from_millis(500));
+    // The SIGTERM handler is installed before the relay starts: a SIGTERM right after the
+    // first watchdog ping drains (exit 0), with no wait.
     let kill = Command::new("kill").args(["-TERM", &child.id().to_string()]).status().unwrap();
     assert!(kill.success());
     while !after.iter().any(|m: &String| m == "STOPPING=1") {

@@ -40,19 +40,24 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let shutdown = async {
-        let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(s) => s,
+    // The SIGTERM handler is installed now, before anything starts: a SIGTERM that arrives during
+    // start-up then drains like any other instead of killing the process.
+    let term = {
+        let _rt = rt.enter();
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    };
+    let shutdown = async move {
+        match term {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => tracing::info!("SIGTERM: draining"),
+                    _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: draining"),
+                }
+            }
             Err(e) => {
                 tracing::error!(error = %e, "cannot listen for SIGTERM; stop with Ctrl-C");
                 let _ = tokio::signal::ctrl_c().await;
-                notify::stopping();
-                return;
             }
-        };
-        tokio::select! {
-            _ = term.recv() => tracing::info!("SIGTERM: draining"),
-            _ = tokio::signal::ctrl_c() => tracing::info!("interrupted: draining"),
         }
         notify::stopping();
     };

@@ -76,6 +76,7 @@ impl ClientLimiter {
         let key = peer.unwrap_or(IpAddr::from([0, 0, 0, 0]));
         self.limiter.check_key(&key).map_err(|not_until| {
             let wait = not_until.wait_time_from(DefaultClock::default().now());
+            metrics::counter!("kv_relay_rate_limited_total", "rpc" => what.to_string()).increment(1);
             resource_exhausted(format!("{what} rate limit exceeded for {key}"), wait)
         })
     }

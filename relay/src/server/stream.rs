@@ -82,6 +82,7 @@ pub(crate) async fn send_snapshot<T>(
 ) -> Result<u64, Stop> {
     let ranks = filter.ranks.clone().unwrap_or_default();
     let s = store.clone();
+    metrics::counter!("kv_relay_snapshots_served_total").increment(1);
     let mut snap = match blocking(move || s.snapshot(filter)).await {
         Ok(s) => s,
         Err(st) => {
@@ -313,6 +314,7 @@ impl Subscriber {
             format!("subscriber fell behind the history: it is at cursor {pos}, the oldest record held is {oldest}");
         tracing::info!(pos, oldest, "subscriber told to resync");
         self.status.add("subscribers_resynced", 1);
+        metrics::counter!("kv_relay_subscriber_resyncs_total").increment(1);
         let msg = pb::SubscribeResponse {
             message: Some(M::Resync(pb::Resync { reason: reason.clone(), after_cursor: pos, oldest_cursor: oldest })),
         };
