@@ -196,10 +196,7 @@ pub fn sync_sub(engine: &MockEngine, rank: u32, sub: &Sub) {
 /// Starts `cfg` on free loopback ports: PUB at `base + rank`, replay (when `replay`) at the next
 /// block of `dp_size` ports. Ports found free can be taken before the engine binds them, so a
 /// failed start is retried on other ports.
-pub fn start_engine_on_free_ports(
-    mut cfg: crate::engine::EngineConfig,
-    replay: bool,
-) -> crate::engine::MockEngine {
+pub fn start_engine_on_free_ports(mut cfg: crate::engine::EngineConfig, replay: bool) -> crate::engine::MockEngine {
     let n = cfg.dp_size.max(1) as u16;
     let mut last_err = None;
     for _ in 0..20 {
