@@ -629,11 +629,13 @@ pub fn soak(scale: Scale) -> Report {
     let (subs_n, warm, run) = if scale.long {
         (64, Duration::from_secs(60), Duration::from_secs(600))
     } else {
-        (16, Duration::from_secs(5), Duration::from_secs(20))
+        (16, Duration::from_secs(8), Duration::from_secs(20))
     };
+    // The warm-up outlasts the time the history takes to reach its bound (1000 batches at about
+    // 200 a second), so the RSS measured after it is not the history filling up.
     let cx = Ctx::new();
     let e = engine(4, 10_000);
-    let r = cx.relay(&e, &["--history-batches", "2000"]);
+    let r = cx.relay(&e, &["--history-batches", "1000"]);
     let t = Traffic::start(&e, 200, 11);
     let subs: Vec<Subscriber> = (0..subs_n).map(|_| cx.sub(&r)).collect();
     std::thread::sleep(warm);
