@@ -105,12 +105,11 @@ struct Rebuilt {
 fn apply(r: &mut Rebuilt, m: pb::SubscribeResponse) {
     use pb::subscribe_response::Message as M;
     match &m.message {
-        Some(M::Heartbeat(h)) => {
-            if h.load.is_some() {
-                r.heartbeats_with_load += 1;
-                r.heartbeat_load = h.load.map(|l| (h.dp_rank, l));
-            }
+        Some(M::Heartbeat(h)) if h.load.is_some() => {
+            r.heartbeats_with_load += 1;
+            r.heartbeat_load = h.load.map(|l| (h.dp_rank, l));
         }
+        Some(M::Heartbeat(_)) => {}
         Some(M::SnapshotBegin(_)) => r.live = LiveBlocks::new(),
         Some(M::SnapshotChunk(c)) => {
             for b in &c.blocks {
