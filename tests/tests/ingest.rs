@@ -5,9 +5,9 @@
 use kv_relay::ingest::{Health, Ingest, IngestConfig, IngestItem, Resume};
 use kv_relay::live::{LiveBlocks, LiveKey};
 use kv_relay::model::{ControlKind, Tier};
+use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, Garbage, MockEngine};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
-use kv_relay_testkit::truth::Truth;
 use kv_relay_testkit::wire::{Engine, WireVersion};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -113,20 +113,6 @@ impl Drop for Relay {
             let _ = c.join();
         }
     }
-}
-
-/// The truth keyed as the relay keys it (tier from medium, group 0 when absent).
-fn truth_as_live(t: &Truth) -> BTreeMap<LiveKey, BTreeMap<u64, u32>> {
-    let mut out: BTreeMap<LiveKey, BTreeMap<u64, u32>> = BTreeMap::new();
-    for (k, set) in &t.blocks {
-        let key =
-            LiveKey { dp_rank: k.rank, tier: Tier::from_medium(k.medium.as_deref()), group: k.group.unwrap_or(0) };
-        let into = out.entry(key).or_default();
-        for (h, c) in set {
-            *into.entry(*h).or_default() += c;
-        }
-    }
-    out
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {

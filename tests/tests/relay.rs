@@ -4,30 +4,16 @@
 
 use kv_relay::ctl::{self, Target};
 use kv_relay::live::{LiveBlocks, LiveKey};
-use kv_relay::model::{ControlKind, RecordBody, Tier};
+use kv_relay::model::{ControlKind, RecordBody};
 use kv_relay::server::convert;
 use kv_relay_proto::pb;
 use kv_relay_testkit::client::start_engine_on_free_ports;
+use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, MockEngine};
 use kv_relay_testkit::metrics::Load as EngineLoad;
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
-use kv_relay_testkit::truth::Truth;
 use kv_relay_testkit::wire::{Engine, WireVersion};
-use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
-
-fn truth_as_live(t: &Truth) -> BTreeMap<LiveKey, BTreeMap<u64, u32>> {
-    let mut out: BTreeMap<LiveKey, BTreeMap<u64, u32>> = BTreeMap::new();
-    for (k, set) in &t.blocks {
-        let key =
-            LiveKey { dp_rank: k.rank, tier: Tier::from_medium(k.medium.as_deref()), group: k.group.unwrap_or(0) };
-        let into = out.entry(key).or_default();
-        for (h, c) in set {
-            *into.entry(*h).or_default() += c;
-        }
-    }
-    out
-}
 
 struct Daemon {
     url: String,
