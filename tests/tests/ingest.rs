@@ -327,18 +327,24 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
     );
 }
 
+/// Runs a relay until it equals the truth after some traffic, stops it, and returns where it
+/// stood (what the store would hand a restarted relay) and what it had applied.
+fn run_relay_then_stop(e: &MockEngine, src: &mut RandomSource) -> (Resume, LiveBlocks) {
+    let relay = Relay::start(relay_cfg(e), BTreeMap::new());
+    warm_up(&relay, e, src);
+    traffic(e, 0, src, 5);
+    wait_equal(&relay, e);
+    let st = relay.status(0);
+    let resume = Resume { last_seq: st.last_seq.unwrap(), last_ts: st.last_ts.unwrap() };
+    let before = relay.seen.lock().unwrap().live.clone();
+    (resume, before)
+}
+
 #[test]
 fn a_restarted_relay_resumes_the_same_publisher_from_its_last_seq() {
     let e = engine(vllm(), 1, true, 10_000);
     let mut src = RandomSource::new(9, 4, 6);
-    let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
-    warm_up(&relay, &e, &mut src);
-    traffic(&e, 0, &mut src, 5);
-    wait_equal(&relay, &e);
-    let st = relay.status(0);
-    let resume = Resume { last_seq: st.last_seq.unwrap(), last_ts: st.last_ts.unwrap() };
-    let before = relay.seen.lock().unwrap().live.clone();
-    drop(relay);
+    let (resume, before) = run_relay_then_stop(&e, &mut src);
     traffic(&e, 0, &mut src, 7);
     let relay = Relay::start(relay_cfg(&e), BTreeMap::from([(0, resume)]));
     relay.seen.lock().unwrap().live = before;
@@ -352,14 +358,7 @@ fn a_restarted_relay_resumes_the_same_publisher_from_its_last_seq() {
 fn a_restarted_relay_resets_a_rank_whose_publisher_changed_meanwhile() {
     let e = engine(vllm(), 1, true, 10_000);
     let mut src = RandomSource::new(10, 4, 6);
-    let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
-    warm_up(&relay, &e, &mut src);
-    traffic(&e, 0, &mut src, 5);
-    wait_equal(&relay, &e);
-    let st = relay.status(0);
-    let resume = Resume { last_seq: st.last_seq.unwrap(), last_ts: st.last_ts.unwrap() };
-    let before = relay.seen.lock().unwrap().live.clone();
-    drop(relay);
+    let (resume, before) = run_relay_then_stop(&e, &mut src);
     e.restart(0).unwrap();
     traffic(&e, 0, &mut src, 12);
     let relay = Relay::start(relay_cfg(&e), BTreeMap::from([(0, resume)]));
