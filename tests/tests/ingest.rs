@@ -237,6 +237,7 @@ fn relay_started_after_the_engine_primes_from_replay_and_equals_truth() {
     for r in 0..2 {
         traffic(&e, r, &mut src, 30);
     }
+    e.flush().unwrap();
     let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
     wait_equal(&relay, &e);
     let s = relay.seen.lock().unwrap();
@@ -249,6 +250,8 @@ fn priming_from_a_buffer_that_no_longer_starts_at_zero_marks_the_rank_incomplete
     let e = engine(vllm(), 1, true, 10);
     let mut src = RandomSource::new(5, 4, 6);
     traffic(&e, 0, &mut src, 30);
+    // Every batch is in the replay buffer before the relay asks for it.
+    e.flush().unwrap();
     let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
     wait_health(&relay, 0, Health::Incomplete, 1);
     let c = controls_of(&relay, 0);
