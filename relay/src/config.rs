@@ -1,11 +1,13 @@
 //! The daemon's settings: command-line flags, each with a `KV_RELAY_*` environment variable,
 //! validated whole before any socket is bound or the store is opened.
 
+use crate::hashcheck::HashCheckConfig;
 use crate::ingest::{endpoint, IngestConfig};
 use crate::server::{ServerConfig, TlsConfig};
 use clap::{Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Raw flags, as given.
@@ -96,6 +98,29 @@ pub struct Args {
     /// Snapshots being sent at once, whole relay.
     #[arg(long, env = "KV_RELAY_SERVER_MAX_SNAPSHOTS", default_value_t = 8)]
     pub server_max_snapshots: usize,
+    /// Checks the engine's block hashes: each store's blocks are re-hashed from their token ids
+    /// with the engine's hash settings below, and mismatches counted per rank (a diagnostic:
+    /// events are never dropped or changed by it). `--hash-check` or `--hash-check=true|false`.
+    #[arg(long, env = "KV_RELAY_HASH_CHECK", default_value_t = false, num_args = 0..=1,
+          default_missing_value = "true", action = clap::ArgAction::Set)]
+    pub hash_check: bool,
+    /// The engine whose hashes are checked: `vllm` or `sglang`.
+    #[arg(long, env = "KV_RELAY_HASH_ENGINE")]
+    pub hash_engine: Option<String>,
+    /// The engine's release, e.g. `0.32.0` (the hash rules change between releases).
+    #[arg(long, env = "KV_RELAY_HASH_ENGINE_VERSION")]
+    pub hash_engine_version: Option<String>,
+    /// vLLM's `--prefix-caching-hash-algo`: `sha256` (vLLM's default), `sha256_cbor`, `xxhash`,
+    /// `xxhash_cbor`. Not for SGLang.
+    #[arg(long, env = "KV_RELAY_HASH_ALGO")]
+    pub hash_algo: Option<String>,
+    /// The engine's `PYTHONHASHSEED` (vLLM); leave unset when the engine has none.
+    #[arg(long, env = "KV_RELAY_HASH_SEED")]
+    pub hash_seed: Option<String>,
+    /// Share of sequences whose blocks are checked, in (0, 1]: a sequence's first block is drawn
+    /// (from its hash) and its descendants follow. Bounds the check's cost.
+    #[arg(long, env = "KV_RELAY_HASH_SAMPLE", default_value_t = 1.0)]
+    pub hash_sample: f64,
     #[command(subcommand)]
     pub command: Option<Command>,
 }
@@ -223,6 +248,7 @@ impl Args {
             })
             .unwrap_or_else(|| PathBuf::from("./kv-relay-state"));
         let (server, server_files) = self.server()?;
+        let hash_check = self.hash_check()?;
         Ok(Config {
             ingest: IngestConfig {
                 endpoint: self.endpoint.clone(),
@@ -233,6 +259,7 @@ impl Args {
                 tail_probe: Duration::from_millis(self.tail_probe_ms.max(1)),
                 rcvhwm: 100_000,
                 queue: self.queue,
+                hash_check,
             },
             engine_metrics_url: self.engine_metrics_url.clone(),
             load_poll: Duration::from_millis(self.load_poll_ms),
@@ -246,6 +273,26 @@ impl Args {
             server,
             server_files,
         })
+    }
+
+    /// The hash check's settings: `None` when it is off (the other `hash-*` settings are then
+    /// not used, but the sample must still be a share).
+    fn hash_check(&self) -> Result<Option<Arc<HashCheckConfig>>, ConfigError> {
+        if !(self.hash_sample > 0.0 && self.hash_sample <= 1.0) {
+            return Err(bad("hash-sample", format!("{} is not in (0, 1]", self.hash_sample)));
+        }
+        if !self.hash_check {
+            return Ok(None);
+        }
+        HashCheckConfig::new(
+            self.hash_engine.as_deref(),
+            self.hash_engine_version.as_deref(),
+            self.hash_algo.as_deref(),
+            self.hash_seed.as_deref(),
+            self.hash_sample,
+        )
+        .map(|c| Some(Arc::new(c)))
+        .map_err(|e| bad(e.setting, e.why))
     }
 
     /// The server's settings; reads the TLS files and the token so a bad path fails here.
@@ -363,11 +410,54 @@ mod tests {
             (&["--history-bytes", "1000"], "history-bytes"),
             (&["--metrics-listen", "nowhere"], "metrics-listen"),
             (&["--log-format", "xml"], "log-format"),
+            (&["--hash-sample", "0"], "hash-sample"),
+            (&["--hash-check"], "hash-engine"),
+            (&["--hash-check", "--hash-engine", "trtllm"], "hash-engine"),
+            (&["--hash-check", "--hash-engine", "vllm"], "hash-engine-version"),
+            (&["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "x"], "hash-engine-version"),
+            (&["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.9.1"], "hash-engine-version"),
+            (
+                &["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.32", "--hash-algo", "md5"],
+                "hash-algo",
+            ),
+            (
+                &["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.12", "--hash-algo", "xxhash"],
+                "hash-algo",
+            ),
+            (&["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.28"], "hash-seed"),
+            (
+                &["--hash-check", "--hash-engine", "sglang", "--hash-engine-version", "0.5.23", "--hash-seed", "0"],
+                "hash-seed",
+            ),
+            (&["--hash-check", "--hash-engine", "sglang", "--hash-engine-version", "0.4.7"], "hash-engine-version"),
         ];
         for (a, setting) in cases {
             let e = args(a).validate().unwrap_err();
             assert_eq!(e.setting, *setting, "{a:?}: {e}");
         }
         assert_eq!(args(&["--metrics-listen", "off"]).validate().unwrap().metrics_listen, None);
+    }
+
+    #[test]
+    fn the_hash_check_is_off_by_default_and_resolves_the_engines_settings() {
+        let off = args(&["--hash-engine", "nonsense"]).validate().unwrap();
+        assert_eq!(off.ingest.hash_check, None);
+        let c = args(&["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.32.0"]).validate().unwrap();
+        let h = c.ingest.hash_check.unwrap();
+        assert_eq!((h.engine, h.algo_name(), h.seed.as_deref(), h.sample), ("vllm", Some("sha256"), None, 1.0));
+        let c = args(&["--hash-check=false", "--hash-engine", "vllm"]).validate().unwrap();
+        assert_eq!(c.ingest.hash_check, None);
+        let c = args(&[
+            "--hash-check",
+            "--hash-engine",
+            "sglang",
+            "--hash-engine-version",
+            "0.5.23",
+            "--hash-sample",
+            "0.25",
+        ])
+        .validate()
+        .unwrap();
+        assert_eq!(c.ingest.hash_check.unwrap().sample, 0.25);
     }
 }

@@ -152,6 +152,12 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("replay_timeout_ms", "replay_timeout_ms", "replay-timeout-ms"),
     ("tail_probe_ms", "tail_probe_ms", "tail-probe-ms"),
     ("log_format", "log_format", "log-format"),
+    ("hash_check", "hash_check", "hash-check"),
+    ("hash_engine", "hash_engine", "hash-engine"),
+    ("hash_engine_version", "hash_engine_version", "hash-engine-version"),
+    ("hash_algo", "hash_algo", "hash-algo"),
+    ("hash_seed", "hash_seed", "hash-seed"),
+    ("hash_sample", "hash_sample", "hash-sample"),
 ];
 
 /// The `[server]` table's keys.
@@ -234,6 +240,24 @@ fn set(args: &mut Args, id: &str, setting: &'static str, at: &At<'_>, v: &Value)
         "replay_timeout_ms" => args.replay_timeout_ms = uint(u64::MAX)?,
         "tail_probe_ms" => args.tail_probe_ms = uint(u64::MAX)?,
         "log_format" => args.log_format = string()?,
+        "hash_check" => args.hash_check = v.as_bool().ok_or_else(|| at.err(setting, "true or false", v))?,
+        "hash_engine" => args.hash_engine = Some(string()?),
+        "hash_engine_version" => args.hash_engine_version = Some(string()?),
+        "hash_algo" => args.hash_algo = Some(string()?),
+        // PYTHONHASHSEED is a string in the environment; an integer in the file means the same.
+        "hash_seed" => {
+            args.hash_seed = Some(match v {
+                Value::Integer(i) if *i >= 0 => i.to_string(),
+                _ => v.as_str().map(str::to_string).ok_or_else(|| at.err(setting, "a string or an integer", v))?,
+            })
+        }
+        "hash_sample" => {
+            args.hash_sample = match v {
+                Value::Float(f) => *f,
+                Value::Integer(i) => *i as f64,
+                _ => return Err(at.err(setting, "a number in (0, 1]", v)),
+            }
+        }
         "server_tls_cert" => args.server_tls_cert = Some(path()?),
         "server_tls_key" => args.server_tls_key = Some(path()?),
         "server_tls_client_ca" => args.server_tls_client_ca = Some(path()?),
@@ -285,6 +309,25 @@ pub fn effective_toml(c: &Config) -> String {
     let _ = writeln!(o, "replay_timeout_ms = {}", ms(ing.replay_timeout));
     let _ = writeln!(o, "tail_probe_ms = {}", ms(ing.tail_probe));
     let _ = writeln!(o, "log_format = {}", q(if c.json_logs { "json" } else { "text" }));
+    match &ing.hash_check {
+        Some(h) => {
+            let _ = writeln!(o, "hash_check = true");
+            let _ = writeln!(o, "hash_engine = {}", q(h.engine));
+            let _ = writeln!(o, "hash_engine_version = {}", q(&h.version.to_string()));
+            if let Some(a) = h.algo_name() {
+                let _ = writeln!(o, "hash_algo = {}", q(a));
+            }
+            match &h.seed {
+                Some(s) => _ = writeln!(o, "hash_seed = {}", q(s)),
+                None if h.engine == "vllm" => {
+                    _ = writeln!(o, "# hash_seed: not set (the engine has no PYTHONHASHSEED)")
+                }
+                None => {}
+            }
+            let _ = writeln!(o, "hash_sample = {:?}", h.sample);
+        }
+        None => _ = writeln!(o, "hash_check = false"),
+    }
     let _ = writeln!(o, "\n[server]");
     let f = &c.server_files;
     for (key, file, unset) in [

@@ -156,14 +156,26 @@ pub fn status_json(url: &str, s: &pb::StatusResponse) -> Value {
         "history_records": s.history_records,
         "history_bytes": s.history_bytes,
         "subscribers": s.subscribers,
-        "ranks": s.ranks.iter().map(|r| json!({
-            "dp_rank": r.dp_rank,
-            "state": state_name(r.state),
-            "reason": r.reason,
-            "last_engine_seq": r.last_engine_seq,
-            "lag_ms": r.lag_ms,
-            "load": load_json(r.load.as_ref()),
-        })).collect::<Vec<_>>(),
+        "ranks": s.ranks.iter().map(|r| {
+            let mut rank = json!({
+                "dp_rank": r.dp_rank,
+                "state": state_name(r.state),
+                "reason": r.reason,
+                "last_engine_seq": r.last_engine_seq,
+                "lag_ms": r.lag_ms,
+                "load": load_json(r.load.as_ref()),
+            });
+            // Only where the relay checks the engine's block hashes.
+            if let Some(h) = &r.hash_check {
+                rank["hash_check"] = json!({
+                    "checked_blocks": h.checked_blocks,
+                    "mismatched_blocks": h.mismatched_blocks,
+                    "skipped_blocks": h.skipped_blocks,
+                    "mismatch_rate": h.mismatch_rate,
+                });
+            }
+            rank
+        }).collect::<Vec<_>>(),
         "counters": s.counters.iter().collect::<BTreeMap<_, _>>(),
     })
 }
@@ -195,6 +207,23 @@ pub fn status_table(url: &str, s: &pb::StatusResponse) -> String {
             kv,
             r.reason
         );
+    }
+    if s.ranks.iter().any(|r| r.hash_check.is_some()) {
+        let _ = writeln!(o);
+        let _ = writeln!(o, "RANK  HASHES CHECKED  MISMATCHED  MISMATCH RATE  SKIPPED");
+        for r in &s.ranks {
+            if let Some(h) = &r.hash_check {
+                let _ = writeln!(
+                    o,
+                    "{:<5} {:>14} {:>11} {:>14} {:>8}",
+                    r.dp_rank,
+                    h.checked_blocks,
+                    h.mismatched_blocks,
+                    format!("{:.2}%", h.mismatch_rate * 100.0),
+                    h.skipped_blocks
+                );
+            }
+        }
     }
     if !s.counters.is_empty() {
         let _ = writeln!(o);
@@ -425,5 +454,48 @@ impl SnapshotSummary {
             v["blocks"] = Value::Array(blocks);
         }
         v
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(hash_check: Option<pb::HashCheckStatus>) -> pb::StatusResponse {
+        pb::StatusResponse {
+            ranks: vec![pb::RankStatus {
+                dp_rank: 0,
+                state: pb::RankState::Ok as i32,
+                hash_check,
+                ..Default::default()
+            }],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_hash_check_is_shown_only_where_it_is_on() {
+        let off = status(None);
+        assert!(!status_table("u", &off).contains("HASHES CHECKED"));
+        assert_eq!(status_json("u", &off)["ranks"][0].get("hash_check"), None);
+        let on = status(Some(pb::HashCheckStatus {
+            checked_blocks: 200,
+            mismatched_blocks: 3,
+            skipped_blocks: 7,
+            mismatch_rate: 0.015,
+        }));
+        let table = status_table("u", &on);
+        let lines: Vec<&str> = table.lines().skip_while(|l| !l.contains("HASHES CHECKED")).take(2).collect();
+        assert_eq!(
+            lines,
+            [
+                "RANK  HASHES CHECKED  MISMATCHED  MISMATCH RATE  SKIPPED",
+                "0                200           3          1.50%        7"
+            ]
+        );
+        assert_eq!(
+            status_json("u", &on)["ranks"][0]["hash_check"],
+            json!({"checked_blocks": 200, "mismatched_blocks": 3, "skipped_blocks": 7, "mismatch_rate": 0.015})
+        );
     }
 }

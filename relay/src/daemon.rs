@@ -13,7 +13,7 @@
 use crate::config::Config;
 use crate::ingest::{self, load::Loads, Ingest, IngestItem, Resume};
 use crate::model::{Load, RecordBody};
-use crate::server::status::{notice_channel, Notice, RankState, RelayStatusHandle};
+use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
 use crate::server::{self, ServerConfig};
 use crate::store::{HistoryLimits, Store, StoreConfig, StoreError};
 use std::collections::BTreeMap;
@@ -302,6 +302,14 @@ async fn status_loop(
                 (false, ingest::Health::Incomplete) => RankState::Incomplete,
             };
             status.set_rank_state(rank, state, s.reason.clone().unwrap_or_default());
+            status.set_hash_check(
+                rank,
+                s.hash_check.as_ref().map(|h| HashCheckCounts {
+                    checked: h.checked,
+                    mismatched: h.mismatched,
+                    skipped: h.skipped_total(),
+                }),
+            );
             for (name, v) in [
                 ("batches", s.batches),
                 ("gaps", s.gaps),

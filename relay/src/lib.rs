@@ -12,6 +12,7 @@
 //!   locality, namespaces, per-block tokens (pure).
 //! - [`model`]: the normalized model every other part speaks.
 //! - [`drops`]: drop reasons and rewrites, with their stable labels.
+//! - [`hashcheck`]: the optional check of the engine's block hashes against their token ids.
 //! - [`ingest`]: the engine side: a SUB and a replay DEALER per DP rank, gap refill, restarts,
 //!   priming, lost tails, the engine's load.
 //! - [`live`]: the live-block set with copies counted (the reference semantics of the snapshot).
@@ -34,6 +35,7 @@ pub mod ctl;
 pub mod daemon;
 pub mod decode_cmd;
 pub mod drops;
+pub mod hashcheck;
 pub mod ingest;
 pub mod live;
 pub mod model;

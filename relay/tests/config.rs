@@ -166,6 +166,25 @@ fn every_setting_takes_flag_over_environment_over_file_over_default() {
 }
 
 #[test]
+fn the_hash_check_settings_take_flag_over_environment_over_file() {
+    let env = Env::new();
+    let file = env.config(
+        "hash_check = true\nhash_engine = \"vllm\"\nhash_engine_version = \"0.32.0\"\nhash_seed = 0\nhash_sample = 0.5\n",
+    );
+    let seed = |c: &Config| c.ingest.hash_check.as_ref().map(|h| (h.seed.clone(), h.sample));
+    assert_eq!(seed(&load_ok(&["--config", &file])), Some((Some("0".into()), 0.5)));
+    std::env::set_var("KV_RELAY_HASH_SEED", "1");
+    assert_eq!(seed(&load_ok(&["--config", &file])), Some((Some("1".into()), 0.5)));
+    assert_eq!(seed(&load_ok(&["--config", &file, "--hash-seed", "2"])), Some((Some("2".into()), 0.5)));
+    std::env::set_var("KV_RELAY_HASH_CHECK", "false");
+    assert_eq!(seed(&load_ok(&["--config", &file])), None);
+    assert_eq!(seed(&load_ok(&["--config", &file, "--hash-check"])), Some((Some("1".into()), 0.5)));
+    std::env::remove_var("KV_RELAY_HASH_CHECK");
+    std::env::remove_var("KV_RELAY_HASH_SEED");
+    assert_eq!(seed(&load_ok(&["--hash-sample", "0.25"])), None, "off by default");
+}
+
+#[test]
 fn environment_and_flag_values_are_the_exact_ones_given() {
     let env = Env::new();
     let file = env.config("dp_size = 2\nhistory_batches = 20000\nlisten = \"0.0.0.0:50061\"\n");
@@ -205,7 +224,8 @@ fn an_unknown_key_is_rejected_by_name() {
         format!(
             "{file}: unknown key `histroy_batches` (known keys: endpoint, replay_endpoint, dp_size, dp_ranks, topic, \
              engine_metrics_url, load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, listen, \
-             metrics_listen, queue, replay_timeout_ms, tail_probe_ms, log_format, and the [server] table)"
+             metrics_listen, queue, replay_timeout_ms, tail_probe_ms, log_format, hash_check, hash_engine, \
+             hash_engine_version, hash_algo, hash_seed, hash_sample, and the [server] table)"
         )
     );
     let file = env.config("[server]\ntoken = \"hunter2\"\n");
@@ -257,6 +277,17 @@ fn each_bad_setting_names_itself() {
         ("tail_probe_ms = true".into(), "tail-probe-ms"),
         ("log_format = \"xml\"".into(), "log-format"),
         ("topic = 1".into(), "topic"),
+        ("hash_check = \"yes\"".into(), "hash-check"),
+        ("hash_sample = 0".into(), "hash-sample"),
+        ("hash_sample = \"all\"".into(), "hash-sample"),
+        ("hash_check = true".into(), "hash-engine"),
+        ("hash_check = true\nhash_engine = \"vllm\"".into(), "hash-engine-version"),
+        (
+            "hash_check = true\nhash_engine = \"vllm\"\nhash_engine_version = \"0.32\"\nhash_algo = \"md5\"".into(),
+            "hash-algo",
+        ),
+        ("hash_check = true\nhash_engine = \"vllm\"\nhash_engine_version = \"0.28\"".into(), "hash-seed"),
+        ("hash_seed = [0]".into(), "hash-seed"),
         (format!("[server]\ntls_cert = {pem:?}"), "server-tls-key"),
         (format!("[server]\ntls_key = {pem:?}"), "server-tls-cert"),
         (format!("[server]\ntls_cert = {missing:?}\ntls_key = {pem:?}"), "server-tls-cert"),
@@ -342,6 +373,10 @@ state_dir = "/var/lib/kv-relay/engine-a"
 history_bytes = 134217728
 listen = "0.0.0.0:50051"
 log_format = "json"
+hash_check = true
+hash_engine = "vllm"
+hash_engine_version = "0.32.0"
+hash_seed = 0
 
 [server]
 tls_cert = {cert:?}

@@ -72,6 +72,21 @@ fn a_bad_file_value_exits_64_naming_the_setting() {
 }
 
 #[test]
+fn a_hash_check_the_relay_cannot_do_exits_64_saying_which_setting_and_why() {
+    let args = ["--hash-check", "--hash-engine", "vllm", "--hash-engine-version", "0.28", "--hash-algo", "sha256"];
+    let o = kv_relay(&args, &[]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert_eq!(
+        stderr(&o).trim_end(),
+        "kv-relay: invalid setting hash-seed: vllm 0.28.0 seeds the sha256 none hash randomly when PYTHONHASHSEED \
+         is unset; set the engine's PYTHONHASHSEED and give it here"
+    );
+    let o = kv_relay(&["--hash-check"], &[("KV_RELAY_HASH_ENGINE", "trtllm")]);
+    assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));
+    assert_eq!(stderr(&o).trim_end(), "kv-relay: invalid setting hash-engine: \"trtllm\": use vllm or sglang");
+}
+
+#[test]
 fn a_malformed_flag_exits_64_and_help_exits_0() {
     let o = kv_relay(&["--dp-size", "two"], &[]);
     assert_eq!(o.status.code(), Some(64), "{}", stderr(&o));

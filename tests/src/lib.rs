@@ -13,6 +13,7 @@
 //! - [`engine`]: the mock engine: ranks, truth, load, faults, generated requests.
 //! - [`generate`]: the traffic loop (rate, clears, load gauges) over a request source.
 //! - [`capture`]: playback of recorded captures (`shared/fixtures/*.jsonl`).
+//! - [`fixtures`]: the fixtures with their manifests: expected live blocks, hash settings, playback.
 //! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).
 //! - [`metrics`]: the `/metrics` endpoint with the engines' load gauges.
@@ -24,6 +25,7 @@ pub mod client;
 pub mod decode;
 pub mod drills;
 pub mod engine;
+pub mod fixtures;
 pub mod generate;
 pub mod hashing;
 pub mod metrics;

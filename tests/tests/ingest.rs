@@ -3,10 +3,11 @@
 //! applied to `kv_relay::live::LiveBlocks` and compared with the mock engine's truth.
 
 use kv_relay::ingest::{Health, Ingest, IngestConfig, IngestItem, Resume};
-use kv_relay::live::{LiveBlocks, LiveKey};
-use kv_relay::model::{ControlKind, Tier};
+use kv_relay::live::LiveBlocks;
+use kv_relay::model::ControlKind;
 use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, Garbage, MockEngine};
+use kv_relay_testkit::fixtures::{self, Fixture};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
 use kv_relay_testkit::wire::{Engine, WireVersion};
 use std::collections::BTreeMap;
@@ -61,6 +62,7 @@ fn relay_cfg(e: &MockEngine) -> IngestConfig {
         tail_probe: Duration::from_millis(300),
         rcvhwm: 100_000,
         queue: 64,
+        hash_check: None,
     }
 }
 
@@ -370,82 +372,70 @@ fn a_restarted_relay_resets_a_rank_whose_publisher_changed_meanwhile() {
     assert!(matches!(&controls_of(&relay, 0)[..], [ControlKind::RankReset { .. }]));
 }
 
-fn fixtures_dir() -> std::path::PathBuf {
-    let dir = std::env::var_os("KV_RELAY_FIXTURES")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
-    assert!(dir.is_dir(), "fixtures not found at {} (set KV_RELAY_FIXTURES)", dir.display());
-    dir
+/// Waits until the relay has handed on every `pub` batch of the fixture (each exactly once).
+fn wait_all_batches(relay: &Relay, f: &Fixture) {
+    let mut per_rank: BTreeMap<u32, u64> = BTreeMap::new();
+    for l in f.lines.iter().filter(|l| l.socket == "pub") {
+        *per_rank.entry(l.dp_rank.unwrap_or(0)).or_default() += 1;
+    }
+    for (&rank, &n) in &per_rank {
+        wait_for("every batch of the capture", || relay.status(rank).batches == n);
+    }
 }
 
-/// The manifest's `expected_refcounted`, keyed as the relay keys it, with the hybrid policy
-/// (a sliding-window group beside a full-attention group is not the relay's to hold).
-fn manifest_expected(m: &serde_json::Value, window_groups: &[(u32, u32)]) -> BTreeMap<LiveKey, BTreeMap<u64, u32>> {
-    let mut out: BTreeMap<LiveKey, BTreeMap<u64, u32>> = BTreeMap::new();
-    for e in m["expected_refcounted"].as_array().unwrap() {
-        let rank = e["dp_rank"].as_u64().unwrap() as u32;
-        let group = e["group_idx"].as_u64().map(|g| g as u32);
-        if group.is_some_and(|g| window_groups.contains(&(rank, g))) {
-            continue;
-        }
-        let key = LiveKey { dp_rank: rank, tier: Tier::from_medium(e["medium"].as_str()), group: group.unwrap_or(0) };
-        let into = out.entry(key).or_default();
-        for (h, c) in e["block_hashes"].as_array().unwrap().iter().zip(e["counts"].as_array().unwrap()) {
-            *into.entry(h.as_u64().unwrap()).or_default() += c.as_u64().unwrap() as u32;
-        }
-    }
-    out
+/// What the hash check found on each rank: (checked, mismatched, skipped).
+fn hash_counts(relay: &Relay, ranks: u32) -> Vec<(u64, u64, u64)> {
+    (0..ranks)
+        .map(|r| {
+            let c = relay.status(r).hash_check.expect("the hash check is on");
+            (c.checked, c.mismatched, c.skipped_total())
+        })
+        .collect()
 }
+
+/// Blocks checked, mismatched and skipped per rank when each fixture whose engine hash settings
+/// are known is played with the check on. Every stored block of the real captures is checked
+/// (the counts of `stored_hashes_checked` in their manifests) except vllm-hybrid's sliding-window
+/// group, which the relay drops; sglang-basic's LoRA blocks are skipped (their namespace key is
+/// not on the wire).
+const HASH_FIGURES: &[(&str, &[(u64, u64, u64)])] = &[
+    ("golden-sglang-0.4.8", &[(9, 0, 0)]),
+    ("golden-sglang-0.5.18", &[(6, 0, 0)]),
+    ("golden-sglang-0.5.20", &[(9, 0, 0)]),
+    ("golden-sglang-0.5.9", &[(5, 0, 0)]),
+    ("sglang-basic", &[(164, 0, 36)]),
+    ("sglang-dp2", &[(74, 0, 0), (89, 0, 0)]),
+    ("sglang-eagle", &[(84, 0, 0)]),
+    ("vllm-basic", &[(99, 0, 0)]),
+    ("vllm-byteshash", &[(99, 0, 0)]),
+    ("vllm-dp2", &[(44, 0, 0), (48, 0, 0)]),
+    ("vllm-hybrid", &[(101, 0, 0)]),
+    ("vllm-restart", &[(95, 0, 0)]),
+    ("vllm-salt", &[(27, 0, 0)]),
+    ("vllm-sha256cbor", &[(99, 0, 0)]),
+];
 
 /// Every capture and golden stream, played by the mock engine at full speed with the relay
 /// already subscribed, leaves the relay's state equal to the manifest's expected live blocks
 /// (copies counted) — through slow joiners, replay refills and vllm-restart's publisher restart.
+/// With the engine's hash settings from the manifest, the relay's hash check finds no mismatch.
 #[test]
 fn captures_played_by_the_mock_engine_leave_the_relay_equal_to_each_manifest() {
-    use kv_relay_testkit::capture::{play, ranks_needed, read_capture};
-    let dir = fixtures_dir();
-    let mut names: Vec<String> = std::fs::read_dir(&dir)
-        .unwrap()
-        .filter_map(|e| e.unwrap().file_name().into_string().unwrap().strip_suffix(".manifest.json").map(str::to_owned))
-        .collect();
-    names.sort();
+    let names = fixtures::names();
     assert_eq!(names.len(), 22);
+    let mut figures = Vec::new();
     for name in names {
-        let m: serde_json::Value =
-            serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.manifest.json"))).unwrap()).unwrap();
-        let lines = read_capture(&dir.join(format!("{name}.jsonl"))).unwrap();
-        let engine_kind = if m["engine"].as_str().unwrap().contains("sglang") { Engine::Sglang } else { Engine::Vllm };
-        let wire =
-            WireVersion::parse(engine_kind, if engine_kind == Engine::Sglang { "0.5.23" } else { "0.32" }).unwrap();
-        let e = engine(wire, ranks_needed(&lines), true, 10_000);
+        let f = Fixture::load(&name);
+        let m = &f.manifest;
+        let e = engine(f.wire(), f.ranks(), true, 10_000);
         let mut cfg = relay_cfg(&e);
         cfg.topic = String::new();
+        let settings = f.hash_settings();
+        cfg.hash_check = settings.as_ref().map(|h| Arc::new(h.check_config()));
         let relay = Relay::start(cfg, BTreeMap::new());
-        // vllm-hybrid's group 0 is its sliding-window group (`kv_cache_spec_kind` on its stores;
-        // relay/tests/fixtures.rs derives it from the wire), beside full-attention group 1.
-        let window: Vec<(u32, u32)> = if name == "vllm-hybrid" { vec![(0, 0)] } else { vec![] };
-        // A capture with a publisher restart (vllm-restart) is played in two parts, the relay
-        // catching up in between, so that it has seen the first publisher when the restart comes.
-        let pubs: Vec<_> = lines.iter().filter(|l| l.socket == "pub").cloned().collect();
-        let seq_of =
-            |l: &kv_relay_testkit::capture::CaptureLine| u64::from_be_bytes(l.frames[1].as_slice().try_into().unwrap());
-        let mut last: BTreeMap<&str, u64> = BTreeMap::new();
-        let cut = pubs.iter().position(|l| last.insert(&l.endpoint, seq_of(l)).is_some_and(|prev| seq_of(l) <= prev));
-        let stop = std::sync::atomic::AtomicBool::new(false);
-        let report = match cut {
-            None => play(&e, &lines, false, &stop).unwrap(),
-            Some(cut) => {
-                assert_eq!(e.dp_size(), 1, "{name}: restarts are played on single-rank captures");
-                let mut r = play(&e, &pubs[..cut], false, &stop).unwrap();
-                let before = seq_of(&pubs[cut - 1]);
-                wait_for("the first publisher's batches", || relay.status(0).last_seq == Some(before));
-                e.restart(0).unwrap();
-                r.restarts += 1;
-                r.batches += play(&e, &pubs[cut..], false, &stop).unwrap().batches;
-                r
-            }
-        };
-        let want = manifest_expected(&m, &window);
+        let report =
+            f.play(&e, |before| wait_for("the first publisher's batches", || relay.status(0).last_seq == Some(before)));
+        let want = f.expected();
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             let got = relay.seen.lock().unwrap().live.blocks.clone();
@@ -479,5 +469,43 @@ fn captures_played_by_the_mock_engine_leave_the_relay_equal_to_each_manifest() {
                 >= report.restarts
         });
         assert_eq!(resets.max(report.restarts), report.restarts, "{name}: resets");
+        if settings.is_some() {
+            wait_all_batches(&relay, &f);
+            figures.push((name.clone(), hash_counts(&relay, f.ranks())));
+        } else {
+            assert_eq!(relay.status(0).hash_check, None, "{name}");
+        }
+    }
+    let want: Vec<(String, Vec<(u64, u64, u64)>)> =
+        HASH_FIGURES.iter().map(|(n, c)| (n.to_string(), c.to_vec())).collect();
+    assert_eq!(figures, want);
+}
+
+/// A relay told another `PYTHONHASHSEED` than the engine's (vLLM), or another release (SGLang
+/// 0.5.5's tuple hash instead of 0.5.23's chain), finds every block it checks mismatched, and
+/// still hands every event on unchanged.
+#[test]
+fn a_wrong_hash_setting_makes_every_checked_block_a_mismatch_and_changes_nothing_else() {
+    for (name, wrong, want) in
+        [("vllm-basic", ("seed", "1"), (99, 99, 0)), ("sglang-eagle", ("version", "0.5.5"), (84, 84, 0))]
+    {
+        let f = Fixture::load(name);
+        let e = engine(f.wire(), 1, true, 10_000);
+        let mut cfg = relay_cfg(&e);
+        cfg.topic = String::new();
+        let mut settings = f.hash_settings().unwrap();
+        match wrong {
+            ("seed", s) => {
+                assert_eq!(settings.seed.as_deref(), Some("0"));
+                settings.seed = Some(s.into());
+            }
+            (_, v) => settings.version = v.into(),
+        }
+        cfg.hash_check = Some(Arc::new(settings.check_config()));
+        let relay = Relay::start(cfg, BTreeMap::new());
+        f.play(&e, |_| unreachable!("{name} has no restart"));
+        wait_all_batches(&relay, &f);
+        assert_eq!(hash_counts(&relay, 1), [want], "{name}");
+        wait_for("the manifest's state", || relay.seen.lock().unwrap().live.blocks == f.expected());
     }
 }

@@ -2,6 +2,7 @@
 
 use super::rank::Health;
 use crate::drops::Tally;
+use crate::hashcheck::CheckCounts;
 use crate::model::Batch;
 use metrics::{counter, gauge};
 
@@ -41,6 +42,15 @@ pub fn rank_health(rank: u32, h: Health) {
     let r = rank.to_string();
     gauge!("kv_relay_rank_degraded", "rank" => r.clone()).set(if h == Health::Degraded { 1.0 } else { 0.0 });
     gauge!("kv_relay_rank_incomplete", "rank" => r).set(if h == Health::Incomplete { 1.0 } else { 0.0 });
+}
+
+pub fn hash_check(rank: u32, c: &CheckCounts) {
+    let r = rank.to_string();
+    counter!("kv_relay_hash_checked_blocks_total", "rank" => r.clone()).increment(c.checked);
+    counter!("kv_relay_hash_mismatched_blocks_total", "rank" => r.clone()).increment(c.mismatched);
+    for (why, n) in &c.skipped {
+        counter!("kv_relay_hash_skipped_blocks_total", "rank" => r.clone(), "reason" => why.as_str()).increment(*n);
+    }
 }
 
 pub fn duplicate(rank: u32) {

@@ -13,6 +13,7 @@ pub mod rank;
 
 pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
+use crate::hashcheck::HashCheckConfig;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -34,6 +35,8 @@ pub struct IngestConfig {
     pub rcvhwm: i32,
     /// Capacity of the channel to the committer (items).
     pub queue: usize,
+    /// The engine's hash settings when the relay checks its block hashes.
+    pub hash_check: Option<Arc<HashCheckConfig>>,
 }
 
 impl Default for IngestConfig {
@@ -47,6 +50,7 @@ impl Default for IngestConfig {
             tail_probe: Duration::from_secs(3),
             rcvhwm: 100_000,
             queue: 1024,
+            hash_check: None,
         }
     }
 }
@@ -65,6 +69,7 @@ impl IngestConfig {
                     replay_timeout: self.replay_timeout,
                     tail_probe: self.tail_probe,
                     rcvhwm: self.rcvhwm,
+                    hash_check: self.hash_check.clone(),
                 })
             })
             .collect()

@@ -25,6 +25,7 @@
 
 use super::metrics as m;
 use crate::drops::Tally;
+use crate::hashcheck::{CheckCounts, HashCheckConfig, RankCheck};
 use crate::model::{Batch, Control, ControlKind};
 use crate::normalize::Normalizer;
 use crate::wire::{self, ReplayReply};
@@ -70,6 +71,8 @@ pub struct RankConfig {
     pub tail_probe: Duration,
     /// The SUB socket's receive high-water mark (messages).
     pub rcvhwm: i32,
+    /// The engine's hash settings when its block hashes are checked.
+    pub hash_check: Option<Arc<HashCheckConfig>>,
 }
 
 /// The rank's health as the relay knows it.
@@ -109,6 +112,8 @@ pub struct RankStatus {
     pub restarts: u64,
     pub message_errors: u64,
     pub tail_probes: u64,
+    /// What the hash check found so far; `None` when the check is off.
+    pub hash_check: Option<CheckCounts>,
     /// The rank's thread has stopped (shutdown, or the channel closed).
     pub stopped: bool,
 }
@@ -143,6 +148,8 @@ struct Rank {
     out: mpsc::Sender<IngestItem>,
     status: SharedRankStatus,
     normalizer: Normalizer,
+    /// The block-hash check, when on.
+    check: Option<RankCheck>,
     last: Option<(u64, f64)>,
     /// (seq, ts) of the batches handed on lately, newest last: a live batch with a seq not
     /// above `last` is a duplicate (already refilled from the replay socket) when it is here,
@@ -170,6 +177,8 @@ pub fn run(
     sub.set_reconnect_ivl_max(2000)?;
     sub.set_subscribe(cfg.topic.as_bytes())?;
     sub.connect(&cfg.pub_endpoint)?;
+    let check = cfg.hash_check.clone().map(RankCheck::new);
+    let check_on = check.is_some();
     let mut r = Rank {
         cfg,
         ctx,
@@ -177,6 +186,7 @@ pub fn run(
         out,
         status,
         normalizer: Normalizer::new(),
+        check,
         last: resume.map(|r| (r.last_seq, r.last_ts)),
         recent: resume.map(|r| (r.last_seq, r.last_ts)).into_iter().collect(),
         health: Health::Ok,
@@ -185,6 +195,7 @@ pub fn run(
         let mut s = r.status.lock().expect("rank status");
         s.last_seq = r.last.map(|l| l.0);
         s.last_ts = r.last.map(|l| l.1);
+        s.hash_check = check_on.then(CheckCounts::default);
     }
     let result = r.main_loop(&sub, resume, &stop);
     r.status.lock().expect("rank status").stopped = true;
@@ -264,6 +275,9 @@ impl Rank {
     /// known again from here on.
     fn reset(&mut self, reason: String) -> Result<(), Closed> {
         self.normalizer.reset_rank(self.rank());
+        if let Some(c) = &mut self.check {
+            c.reset();
+        }
         self.last = None;
         self.recent.clear();
         self.update(|s| s.restarts += 1);
@@ -300,8 +314,16 @@ impl Rank {
         let n = self.normalizer.normalize(self.rank(), seq, raw);
         let clears = n.batch.events.iter().any(|e| matches!(e, crate::model::Event::Cleared(c) if c.tier.is_none()));
         m::batch(self.rank(), &n.batch, &n.drops, &n.rewrites, refilled);
+        // A diagnostic: what it finds is counted, the batch goes on unchanged.
+        let checked = self.check.as_mut().map(|c| c.check(&n.batch));
+        if let Some(c) = &checked {
+            m::hash_check(self.rank(), c);
+        }
         self.last = Some((seq, ts));
         self.update(|s| {
+            if let (Some(total), Some(c)) = (&mut s.hash_check, &checked) {
+                total.add(c);
+            }
             s.last_seq = Some(seq);
             s.last_ts = Some(ts);
             s.last_batch_at = Some(Instant::now());

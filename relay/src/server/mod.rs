@@ -14,7 +14,7 @@ pub mod status;
 mod stream;
 
 pub use guard::RETRY_AFTER_MS;
-pub use status::{notice_channel, Notice, RankState, RankStatus, RelayStatus, RelayStatusHandle};
+pub use status::{notice_channel, HashCheckCounts, Notice, RankState, RankStatus, RelayStatus, RelayStatusHandle};
 
 use crate::model::Tier;
 use crate::store::{CursorCheck, SnapshotFilter, Store};
@@ -301,6 +301,12 @@ impl Relay for RelayService {
                     last_engine_seq: s.last_engine_seq,
                     lag_ms: s.lag_ms,
                     load: s.load.as_ref().map(convert::load_to_pb),
+                    hash_check: s.hash_check.map(|h| pb::HashCheckStatus {
+                        checked_blocks: h.checked,
+                        mismatched_blocks: h.mismatched,
+                        skipped_blocks: h.skipped,
+                        mismatch_rate: h.mismatch_rate(),
+                    }),
                 };
                 (r, rs)
             })
@@ -321,6 +327,7 @@ impl Relay for RelayService {
                     last_engine_seq: rc.last_seq.unwrap_or(0),
                     lag_ms: 0,
                     load: None,
+                    hash_check: None,
                 }
             });
         }

@@ -47,6 +47,27 @@ pub struct RankStatus {
     pub lag_ms: u64,
     /// The engine's latest load as seen for this rank.
     pub load: Option<Load>,
+    /// What the block-hash check found; `None` when the check is off.
+    pub hash_check: Option<HashCheckCounts>,
+}
+
+/// A rank's block-hash check so far (see [`crate::hashcheck`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HashCheckCounts {
+    pub checked: u64,
+    pub mismatched: u64,
+    pub skipped: u64,
+}
+
+impl HashCheckCounts {
+    /// Mismatched over checked blocks; 0 when none was checked.
+    pub fn mismatch_rate(&self) -> f64 {
+        if self.checked == 0 {
+            0.0
+        } else {
+            self.mismatched as f64 / self.checked as f64
+        }
+    }
 }
 
 /// A point-in-time copy of the relay's status.
@@ -116,6 +137,11 @@ impl RelayStatusHandle {
             r.last_engine_seq = engine_seq;
             r.lag_ms = lag_ms;
         });
+    }
+
+    /// Sets what a rank's block-hash check found (`None`: the check is off).
+    pub fn set_hash_check(&self, dp_rank: u32, counts: Option<HashCheckCounts>) {
+        self.update_rank(dp_rank, |r| r.hash_check = counts);
     }
 
     /// Sets a rank's latest load.
