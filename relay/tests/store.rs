@@ -882,50 +882,82 @@ impl Drop for SmallDisk {
     }
 }
 
+const FILL_DIR: &str = "KV_RELAY_STORE_FILL_DIR";
+
+/// A large record (64 blocks of 64 random tokens) of the disk-full test's stream.
+fn fill_body(rng: &mut StdRng, seq: u64) -> RecordBody {
+    let hashes: Vec<u64> = (0..64).map(|j| seq * 64 + j).collect();
+    let mut body = batch(0, seq, vec![stored(Tier::Device, 0, None, &hashes)]);
+    if let RecordBody::Batch { batch, .. } = &mut body {
+        if let Event::Stored(st) = &mut batch.events[0] {
+            st.blocks.iter_mut().for_each(|b| b.token_ids = (0..64).map(|_| rng.random()).collect());
+        }
+    }
+    body
+}
+
+/// Not a test on its own: the child process of `a_full_disk_…`. It commits (and flushes) the
+/// stream until a write fails, prints the last durable cursor, the error and what the next
+/// commit answered, and exits without closing the store, as the relay does: sled cannot close a
+/// store whose write failed (its flush waits forever, holding a lock every sled call in the
+/// process needs).
 #[test]
-fn a_full_disk_fails_the_commit_and_keeps_every_commit_before_it() {
-    let Some(disk) = SmallDisk::mount("6m") else { return };
-    let path = disk.dir.path().join("state");
-    let mut reference = Reference::default();
+fn disk_fill_child() {
+    let Ok(dir) = std::env::var(FILL_DIR) else { return };
+    let s = open(Path::new(&dir));
+    let mut rng = StdRng::seed_from_u64(3);
     let mut durable = 0;
-    let err = {
-        let s = open(&path);
-        let mut rng = StdRng::seed_from_u64(3);
-        let mut err = None;
-        for seq in 0..100_000u64 {
-            // Large records: many blocks with many tokens.
-            let hashes: Vec<u64> = (0..64).map(|j| seq * 64 + j).collect();
-            let mut body = batch(0, seq, vec![stored(Tier::Device, 0, None, &hashes)]);
-            if let RecordBody::Batch { batch, .. } = &mut body {
-                if let Event::Stored(st) = &mut batch.events[0] {
-                    st.blocks.iter_mut().for_each(|b| b.token_ids = (0..64).map(|_| rng.random()).collect());
-                }
-            }
-            match s.commit(body.clone()).and_then(|r| s.flush().map(|_| r)) {
-                Ok(r) => {
-                    reference.apply(&body);
-                    durable = r.cursor;
-                }
-                Err(e) => {
-                    err = Some(e);
-                    break;
-                }
+    for seq in 0..100_000u64 {
+        match s.commit(fill_body(&mut rng, seq)).and_then(|r| s.flush().map(|_| r)) {
+            Ok(r) => durable = r.cursor,
+            Err(e) => {
+                // Once a write failed, the store refuses further commits until it is reopened.
+                let again = s.commit(control(0, ControlKind::RankRecovered)).unwrap_err();
+                let refused = matches!(again, StoreError::Failed { .. } | StoreError::DiskFull { .. });
+                println!("\nfill durable={durable}\nfill disk_full={}", matches!(e, StoreError::DiskFull { .. }));
+                println!("fill refused_after={refused}\nfill error={e}");
+                std::process::exit(0);
             }
         }
-        let err = err.expect("the disk filled up");
-        // Once a write failed, the store refuses further commits until it is reopened.
-        let again = s.commit(control(0, ControlKind::RankRecovered)).unwrap_err();
-        assert!(
-            matches!(again, StoreError::Failed { .. }) || matches!(again, StoreError::DiskFull { .. }),
-            "{again:?}"
-        );
-        err
-    };
-    assert!(matches!(err, StoreError::DiskFull { .. }), "{err:?}");
-    let msg = err.to_string();
+    }
+    println!("\nfill never_full");
+    std::process::exit(0);
+}
+
+#[test]
+fn a_full_disk_fails_the_commit_and_keeps_every_commit_before_it() {
+    use std::time::{Duration, Instant};
+    let Some(disk) = SmallDisk::mount("6m") else { return };
+    let path = disk.dir.path().join("state");
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["disk_fill_child", "--exact", "--nocapture", "--test-threads", "1"])
+        .env(FILL_DIR, &path)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if t0.elapsed() > Duration::from_secs(600) {
+            child.kill().unwrap();
+            panic!("the process filling the disk did not finish in 10 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let mut out = String::new();
+    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
+    let said: BTreeMap<&str, &str> =
+        out.lines().filter_map(|l| l.strip_prefix("fill ")).filter_map(|l| l.split_once('=')).collect();
+    assert_eq!(said.get("disk_full"), Some(&"true"), "{out}");
+    assert_eq!(said.get("refused_after"), Some(&"true"), "{out}");
+    let msg = said["error"];
     assert!(msg.starts_with(&format!("disk full in {} during ", path.display())), "{msg}");
     assert!(msg.ends_with(": the store keeps its last durable state; free space and reopen it"), "{msg}");
+    let durable: u64 = said["durable"].parse().unwrap();
     assert!(durable > 0);
+    let mut reference = Reference::default();
+    let mut rng = StdRng::seed_from_u64(3);
+    (0..durable).for_each(|seq| reference.apply(&fill_body(&mut rng, seq)));
     // With room again, the reopened store holds every commit that succeeded, and a consistent
     // snapshot of them.
     disk.remount("size=64m");

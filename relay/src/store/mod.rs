@@ -185,6 +185,57 @@ struct Writer {
     ranks: BTreeMap<u32, RankRow>,
     /// Set by a failed write: sled refuses writes after an I/O error, so the store must be reopened.
     failed: Option<String>,
+    /// The snapshots being copied, by id.
+    journals: HashMap<u64, Journal>,
+    next_journal: u64,
+}
+
+/// What a snapshot being copied needs from the writes made meanwhile: the value each live key
+/// under its prefixes had at its cursor, taken before the first write that changes it.
+struct Journal {
+    prefixes: Vec<Vec<u8>>,
+    before: BTreeMap<Vec<u8>, Option<sled::IVec>>,
+}
+
+impl Writer {
+    /// Called under the commit lock before `keys` are written: each open snapshot keeps the value
+    /// a key had at its cursor, the first time the key changes.
+    fn journal<'k>(&mut self, data: &sled::Tree, keys: impl Iterator<Item = &'k [u8]>) -> Result<(), sled::Error> {
+        if self.journals.is_empty() {
+            return Ok(());
+        }
+        for k in keys {
+            for j in self.journals.values_mut() {
+                if j.prefixes.iter().any(|p| k.starts_with(p)) && !j.before.contains_key(k) {
+                    j.before.insert(k.to_vec(), data.get(k)?);
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// An open journal: closed by [`JournalGuard::close`], or dropped with the guard when the copy
+/// fails.
+struct JournalGuard<'a> {
+    writer: &'a Mutex<Writer>,
+    id: Option<u64>,
+}
+
+impl JournalGuard<'_> {
+    fn close(mut self) -> BTreeMap<Vec<u8>, Option<sled::IVec>> {
+        let id = self.id.take().expect("open journal");
+        let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        w.journals.remove(&id).map(|j| j.before).unwrap_or_default()
+    }
+}
+
+impl Drop for JournalGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(id) = self.id.take() {
+            self.writer.lock().unwrap_or_else(|p| p.into_inner()).journals.remove(&id);
+        }
+    }
 }
 
 /// What readers see: a copy made after each commit, so reads never wait for a snapshot's pause.
@@ -203,7 +254,9 @@ struct Inner {
     incarnation: u32,
     /// Each incarnation's first cursor (fixed at open).
     incarnations: BTreeMap<u32, u64>,
-    writer: Mutex<Writer>,
+    /// The commit lock, shared with the sweeper: every sled write (and flush) of the store goes
+    /// through it, one at a time.
+    writer: Arc<Mutex<Writer>>,
     view: RwLock<View>,
     newest_tx: watch::Sender<u64>,
     /// Ranks to sweep; dropped first in `Drop` so the sweeper ends.
@@ -217,7 +270,17 @@ impl Drop for Inner {
         if let Some(h) = self.sweeper.lock().unwrap_or_else(|p| p.into_inner()).take() {
             let _ = h.join();
         }
-        let _ = self.db.flush();
+        // After a failed write sled may never make its log stable again, and a flush (ours, or
+        // the one sled makes when its last handle goes) would wait for it forever, holding a
+        // lock every sled call in the process needs. So a failed store is left open: its handles
+        // are leaked, and the process (which must reopen the store to write again) exits with
+        // them. The last durable state is what the reopen finds either way.
+        if self.writer.lock().unwrap_or_else(|p| p.into_inner()).failed.is_some() {
+            std::mem::forget(self.db.clone());
+            std::mem::forget(self.data.clone());
+        } else {
+            let _ = self.db.flush();
+        }
     }
 }
 
@@ -358,14 +421,22 @@ impl Store {
         for r in pending {
             let _ = tx.send(r);
         }
+        let writer = Arc::new(Mutex::new(Writer {
+            counters,
+            ranks: ranks.clone(),
+            failed: None,
+            journals: HashMap::new(),
+            next_journal: 0,
+        }));
         let sweeper = {
             let data = data.clone();
             let sweep_dir = dir.clone();
+            let writer = writer.clone();
             std::thread::Builder::new()
                 .name("kv-relay-store-sweep".into())
                 .spawn(move || {
                     while let Ok(rank) = rx.recv() {
-                        if let Err(e) = sweep(&data, &sweep_dir, rank) {
+                        if let Err(e) = sweep(&data, &sweep_dir, rank, &writer) {
                             count("sweep", e);
                         }
                     }
@@ -373,7 +444,7 @@ impl Store {
                 .map_err(|e| StoreError::io("start the sweeper thread", &dir, e))?
         };
         let (newest_tx, _) = watch::channel(counters.newest);
-        let view = View { counters, ranks: ranks.clone() };
+        let view = View { counters, ranks };
         tracing::info!(dir = %dir.display(), epoch, incarnation, newest = counters.newest, "store opened");
         Ok(Store {
             inner: Arc::new(Inner {
@@ -384,7 +455,7 @@ impl Store {
                 epoch,
                 incarnation,
                 incarnations,
-                writer: Mutex::new(Writer { counters, ranks, failed: None }),
+                writer,
                 view: RwLock::new(view),
                 newest_tx,
                 sweep_tx: Mutex::new(Some(tx)),
@@ -442,8 +513,11 @@ impl Store {
             out.push(txn.apply(body).map_err(|e| count("commit", e))?);
         }
         let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
+        let overlay_keys: Vec<Vec<u8>> =
+            if w.journals.is_empty() { Vec::new() } else { txn.overlay.keys().cloned().collect() };
         let batch = txn.into_batch(&w.ranks, &sweeps).map_err(|e| count("commit", e))?;
-        if let Err(e) = inner.data.apply_batch(batch) {
+        let written = w.journal(&inner.data, overlay_keys.iter().map(Vec::as_slice));
+        if let Err(e) = written.and_then(|()| inner.data.apply_batch(batch)) {
             let e = StoreError::sled("commit", &inner.dir, e);
             w.failed = Some(e.to_string());
             return Err(count("commit", e));
@@ -512,38 +586,59 @@ impl Store {
         }
     }
 
-    /// The live blocks the filter selects, as of the newest cursor when it is called. Commits wait
-    /// while the selected entries are copied to a spill file (see [`Snapshot::pause`]); the
-    /// returned [`Snapshot`] then reads that file in chunks.
+    /// The live blocks the filter selects, as of the newest cursor when it is called. They are
+    /// copied to a spill file while commits go on (commits wait only for the cursor to be taken,
+    /// [`Snapshot::pause`]); the returned [`Snapshot`] then reads that file in chunks.
     pub fn snapshot(&self, filter: SnapshotFilter) -> Result<Snapshot, StoreError> {
-        self.snapshot_inner(filter).map_err(|e| count("snapshot", e))
+        self.snapshot_inner(filter, &|| {}).map_err(|e| count("snapshot", e))
     }
 
-    fn snapshot_inner(&self, filter: SnapshotFilter) -> Result<Snapshot, StoreError> {
+    /// `during_copy` runs once the journal is open, before the copy (tests write there).
+    fn snapshot_inner(&self, filter: SnapshotFilter, during_copy: &dyn Fn()) -> Result<Snapshot, StoreError> {
         let inner = &*self.inner;
         let dir = &inner.dir;
         let io = |e| StoreError::io("snapshot spill", dir, e);
-        let file = tempfile::tempfile_in(dir.join("spill")).map_err(io)?;
-        let mut out = BufWriter::with_capacity(1 << 20, file);
         let started = Instant::now();
-        let w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let cursor = w.counters.newest;
-        let mut blocks = 0u64;
-        for (&rank, row) in w.ranks.iter().filter(|(r, _)| filter.wants_rank(**r)) {
-            for (tier, tgen) in row.tiers.iter().filter(|(t, _)| filter.wants_tier(t)) {
-                let prefix = tier_prefix(P_LIVE, rank, row.rgen, tier, *tgen)
-                    .map_err(|detail| StoreError::Invalid { what: "tier", detail })?;
-                for kv in inner.data.scan_prefix(prefix) {
-                    let (k, v) = kv.map_err(|e| StoreError::sled("snapshot", dir, e))?;
-                    snapshot::spill_entry(&mut out, &k, &v).map_err(io)?;
-                    blocks += 1;
+        // Under the commit lock: the cursor, the prefixes live at it, and a journal that keeps,
+        // from now on, the value at the cursor of every such key a write changes.
+        let (cursor, prefixes, id) = {
+            let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let mut prefixes = Vec::new();
+            for (&rank, row) in w.ranks.iter().filter(|(r, _)| filter.wants_rank(**r)) {
+                for (tier, tgen) in row.tiers.iter().filter(|(t, _)| filter.wants_tier(t)) {
+                    prefixes.push(
+                        tier_prefix(P_LIVE, rank, row.rgen, tier, *tgen)
+                            .map_err(|detail| StoreError::Invalid { what: "tier", detail })?,
+                    );
                 }
             }
-        }
-        drop(w);
+            let id = w.next_journal;
+            w.next_journal += 1;
+            w.journals.insert(id, Journal { prefixes: prefixes.clone(), before: BTreeMap::new() });
+            (w.counters.newest, prefixes, id)
+        };
         let pause = started.elapsed();
+        let journal = JournalGuard { writer: &inner.writer, id: Some(id) };
+        // Without the lock: copy what sled holds now, then, with the journal closed, put back the
+        // values at the cursor of the keys written meanwhile.
+        during_copy();
+        let mut raw = BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(dir.join("spill")).map_err(io)?);
+        for prefix in &prefixes {
+            for kv in inner.data.scan_prefix(prefix) {
+                let (k, v) = kv.map_err(|e| StoreError::sled("snapshot", dir, e))?;
+                snapshot::spill_entry(&mut raw, &k, &v).map_err(io)?;
+            }
+        }
+        let before = journal.close();
+        let mut raw = snapshot::SpillReader::new(snapshot::rewind(raw).map_err(io)?);
+        let mut out = BufWriter::with_capacity(1 << 20, tempfile::tempfile_in(dir.join("spill")).map_err(io)?);
+        let mut blocks = 0u64;
+        for prefix in &prefixes {
+            blocks += snapshot::merge_prefix(&mut raw, &before, prefix, &mut out).map_err(io)?;
+        }
         let reader = snapshot::rewind(out).map_err(io)?;
         metrics::histogram!("kv_relay_store_snapshot_pause_seconds").record(pause.as_secs_f64());
+        metrics::histogram!("kv_relay_store_snapshot_copy_seconds").record(started.elapsed().as_secs_f64());
         Ok(Snapshot {
             cursor,
             epoch: inner.epoch,
@@ -655,9 +750,20 @@ impl Store {
         self.inner.incarnations.clone()
     }
 
-    /// Makes every commit so far durable (sled otherwise does it every 500 ms).
+    /// Makes every commit so far durable (sled otherwise does it every 500 ms). Commits wait for
+    /// it. A failed flush fails the store as a failed commit does: nothing more is written (or
+    /// flushed) until it is reopened.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.inner.db.flush().map(drop).map_err(|e| count("flush", StoreError::sled("flush", &self.inner.dir, e)))
+        let inner = &*self.inner;
+        let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(first) = &w.failed {
+            return Err(count("flush", StoreError::Failed { dir: inner.dir.clone(), first: first.clone() }));
+        }
+        inner.db.flush().map(drop).map_err(|e| {
+            let e = StoreError::sled("flush", &inner.dir, e);
+            w.failed = Some(e.to_string());
+            count("flush", e)
+        })
     }
 
     /// Bytes sled has on disk.
@@ -927,8 +1033,16 @@ fn rank_key(p: u8, rank: u32) -> Vec<u8> {
 /// bounded batches, then its sweep marker if no newer clear set it again meanwhile. Keys under a
 /// generation newer than the row read here are kept: generations only grow, so nothing live is
 /// ever removed.
-fn sweep(data: &sled::Tree, dir: &Path, rank: u32) -> Result<(), StoreError> {
+fn sweep(data: &sled::Tree, dir: &Path, rank: u32, writer: &Mutex<Writer>) -> Result<(), StoreError> {
     let sl = |e| StoreError::sled("sweep", dir, e);
+    // Writes go through the commit lock, and stop once a write of the store failed.
+    let write = |f: &mut dyn FnMut(&mut Writer) -> Result<(), StoreError>| -> Result<bool, StoreError> {
+        let mut w = writer.lock().unwrap_or_else(|p| p.into_inner());
+        if w.failed.is_some() {
+            return Ok(false);
+        }
+        f(&mut w).map(|()| true)
+    };
     let marker = data.get(rank_key(P_SWEEP, rank)).map_err(sl)?;
     let Some(row) = data.get(rank_key(P_RANK, rank)).map_err(sl)? else { return Ok(()) };
     let row: RankRow =
@@ -936,25 +1050,37 @@ fn sweep(data: &sled::Tree, dir: &Path, rank: u32) -> Result<(), StoreError> {
     let dead = |g: &GroupAt| g.rgen < row.rgen || (g.rgen == row.rgen && row.tgen(&g.tier).is_some_and(|t| g.tgen < t));
     let mut removed = 0u64;
     for p in [P_LIVE, P_SUMMARY, P_NAMESPACE] {
-        let mut batch = sled::Batch::default();
-        let mut n = 0;
-        for kv in data.scan_prefix(rank_key(p, rank)) {
-            let (k, _) = kv.map_err(sl)?;
-            if parse_group_key(&k).is_some_and(|(g, _)| dead(&g)) {
-                batch.remove(k);
-                n += 1;
-                if n == SWEEP_BATCH {
-                    data.apply_batch(std::mem::take(&mut batch)).map_err(sl)?;
-                    removed += n as u64;
-                    n = 0;
+        let mut keys = Vec::new();
+        let mut scan = data.scan_prefix(rank_key(p, rank));
+        loop {
+            let next = scan.next().transpose().map_err(sl)?;
+            if let Some((k, _)) = &next {
+                if parse_group_key(k).is_some_and(|(g, _)| dead(&g)) {
+                    keys.push(k.clone());
                 }
             }
+            if keys.len() == SWEEP_BATCH || (next.is_none() && !keys.is_empty()) {
+                let n = keys.len() as u64;
+                if !write(&mut |w| {
+                    w.journal(data, keys.iter().map(|k| &k[..])).map_err(sl)?;
+                    let mut batch = sled::Batch::default();
+                    keys.iter().for_each(|k| batch.remove(k.clone()));
+                    data.apply_batch(batch).map_err(sl)
+                })? {
+                    return Ok(());
+                }
+                keys.clear();
+                removed += n;
+            }
+            if next.is_none() {
+                break;
+            }
         }
-        data.apply_batch(batch).map_err(sl)?;
-        removed += n as u64;
     }
     if let Some(m) = marker {
-        let _ = data.compare_and_swap(rank_key(P_SWEEP, rank), Some(m), None::<&[u8]>).map_err(sl)?;
+        write(&mut |_| {
+            data.compare_and_swap(rank_key(P_SWEEP, rank), Some(m.clone()), None::<&[u8]>).map(drop).map_err(sl)
+        })?;
     }
     tracing::debug!(rank, removed, "swept dead keys");
     Ok(())
@@ -996,14 +1122,66 @@ mod tests {
             vec![Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes: vec![1], ownership: None })],
         ))
         .unwrap();
-        // The sweeper runs in the background; wait for the marker to go.
-        let t0 = Instant::now();
-        while s.inner.data.get(rank_key(P_SWEEP, 0)).unwrap().is_some() {
-            assert!(t0.elapsed().as_secs() < 5, "sweep did not finish");
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        wait_for_sweep(&s);
         let live: Vec<_> = s.inner.data.scan_prefix([P_LIVE]).map(|kv| kv.unwrap().0).collect();
         assert_eq!(live.len(), 1);
         assert_eq!(s.live_stats(), LiveStats { blocks: 1, copies: 1, removed_not_live: 1, stored_already_live: 0 });
+    }
+
+    /// The sweeper runs in the background; waits for rank 0's marker to go.
+    fn wait_for_sweep(s: &Store) {
+        let t0 = Instant::now();
+        while s.inner.data.get(rank_key(P_SWEEP, 0)).unwrap().is_some() {
+            assert!(t0.elapsed().as_secs() < 60, "sweep did not finish");
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    fn blocks_of(snap: Snapshot) -> Vec<(u64, u32)> {
+        snap.flat_map(|c| c.unwrap()).map(|b| (b.hash, b.copies)).collect()
+    }
+
+    #[test]
+    fn a_snapshot_is_the_state_at_its_cursor_whatever_is_written_during_its_copy() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(StoreConfig::new(dir.path())).unwrap();
+        s.commit(batch(0, vec![stored(&[1, 2, 3])])).unwrap();
+        let removed = |seq, h| {
+            batch(
+                seq,
+                vec![Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes: vec![h], ownership: None })],
+            )
+        };
+        let snap = s
+            .snapshot_inner(SnapshotFilter::all(), &|| {
+                // Removed (comes back), stored again (one copy at the cursor), new (left out),
+                // then the whole rank cleared and its keys swept away.
+                s.commit(removed(1, 1)).unwrap();
+                s.commit(batch(2, vec![stored(&[2, 9])])).unwrap();
+                s.commit(removed(3, 9)).unwrap();
+                s.commit(batch(4, vec![stored(&[8])])).unwrap();
+                s.commit(batch(5, vec![Event::Cleared(Cleared { tier: None }), stored(&[7])])).unwrap();
+                wait_for_sweep(&s);
+            })
+            .unwrap();
+        assert_eq!((snap.cursor, snap.blocks), (1, 3));
+        assert_eq!(blocks_of(snap), vec![(1, 1), (2, 1), (3, 1)]);
+        // The journal is gone with the copy: the next snapshot is the state now.
+        assert!(s.inner.writer.lock().unwrap().journals.is_empty());
+        let now = s.snapshot(SnapshotFilter::all()).unwrap();
+        assert_eq!(now.cursor, 6);
+        assert_eq!(blocks_of(now), vec![(7, 1)]);
+    }
+
+    #[test]
+    fn a_failed_copy_closes_its_journal() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(StoreConfig::new(dir.path())).unwrap();
+        s.commit(batch(0, vec![stored(&[1])])).unwrap();
+        // The spill directory is gone: the copy fails after the journal opened.
+        let spill = dir.path().join("spill");
+        let err = s.snapshot_inner(SnapshotFilter::all(), &|| std::fs::remove_dir_all(&spill).unwrap()).unwrap_err();
+        assert!(matches!(err, StoreError::Io { .. }), "{err:?}");
+        assert!(s.inner.writer.lock().unwrap().journals.is_empty());
     }
 }

@@ -1,15 +1,20 @@
 //! Consistent snapshots of the live blocks, read in chunks from a spill file.
 //!
-//! sled has no point-in-time reads, so [`super::Store::snapshot`] holds the commit lock while it
-//! copies the selected live entries, raw, into an anonymous temporary file in `<dir>/spill/`
-//! (already unlinked: nothing is left behind by a crash). Commits wait for that copy (the
-//! *pause*, measured in [`Snapshot::pause`] and in `docs/benchmarks.md`); the slow part,
-//! decoding and sending, then runs from the file while commits go on. Memory stays bounded: the
-//! copy goes through a 1 MiB buffer and the reader holds one chunk.
+//! sled has no point-in-time reads. [`super::Store::snapshot`] takes the cursor and opens a
+//! *journal* under the commit lock (the only pause commits see, [`Snapshot::pause`]), then copies
+//! the selected live entries, raw, into an anonymous temporary file in `<dir>/spill/` (already
+//! unlinked: nothing is left behind by a crash) while commits go on. Each commit meanwhile puts in
+//! the journal, before it writes, the value at the cursor of every selected key it changes for the
+//! first time (the sweeper does the same for the dead keys it removes). With the journal closed, a
+//! second pass merges the copy with it into a second file: the state at exactly the cursor. The
+//! journal holds only the keys written during the copy; the copy goes through 1 MiB buffers and
+//! the reader holds one chunk.
 
 use super::codec::{parse_group_key, LiveValue, Reader};
 use super::error::{count, StoreError};
 use crate::model::{Namespace, Tier, TokenLayout};
+use sled::IVec;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::PathBuf;
@@ -68,7 +73,7 @@ pub struct Snapshot {
     pub incarnation: u32,
     /// Blocks in the snapshot.
     pub blocks: u64,
-    /// How long commits waited while the snapshot was copied.
+    /// How long commits waited for the snapshot: while its cursor was taken, not while it was copied.
     pub pause: Duration,
     /// Blocks per chunk (default 1,024).
     pub chunk_blocks: usize,
@@ -104,16 +109,85 @@ pub(crate) fn rewind(w: BufWriter<File>) -> std::io::Result<BufReader<File>> {
     Ok(BufReader::with_capacity(1 << 20, f))
 }
 
+/// Reads one entry written by [`spill_entry`]; `None` at the end of the file.
+fn read_entry(r: &mut BufReader<File>) -> std::io::Result<Option<(Vec<u8>, Vec<u8>)>> {
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        other => other?,
+    }
+    let mut key = vec![0u8; u32::from_le_bytes(len) as usize];
+    r.read_exact(&mut key)?;
+    r.read_exact(&mut len)?;
+    let mut value = vec![0u8; u32::from_le_bytes(len) as usize];
+    r.read_exact(&mut value)?;
+    Ok(Some((key, value)))
+}
+
+/// The raw copy of a snapshot, read back in order with one entry of look-ahead.
+pub(crate) struct SpillReader {
+    r: BufReader<File>,
+    peeked: Option<(Vec<u8>, Vec<u8>)>,
+}
+
+impl SpillReader {
+    pub(crate) fn new(r: BufReader<File>) -> Self {
+        SpillReader { r, peeked: None }
+    }
+
+    /// The next entry's key, if it starts with `prefix`.
+    fn next_key_in(&mut self, prefix: &[u8]) -> std::io::Result<Option<&[u8]>> {
+        if self.peeked.is_none() {
+            self.peeked = read_entry(&mut self.r)?;
+        }
+        Ok(self.peeked.as_ref().map(|(k, _)| k.as_slice()).filter(|k| k.starts_with(prefix)))
+    }
+
+    fn take(&mut self) -> (Vec<u8>, Vec<u8>) {
+        self.peeked.take().expect("an entry was peeked")
+    }
+}
+
+/// Writes the entries of one prefix as they were at the snapshot's cursor: the raw copy's, with
+/// the values `before` kept for the keys written while it was made (`None`: the key was not
+/// there). Both are in key order; returns the number of entries written.
+pub(crate) fn merge_prefix(
+    raw: &mut SpillReader,
+    before: &BTreeMap<Vec<u8>, Option<IVec>>,
+    prefix: &[u8],
+    out: &mut BufWriter<File>,
+) -> std::io::Result<u64> {
+    let mut journal = before.range(prefix.to_vec()..).take_while(|(k, _)| k.starts_with(prefix)).peekable();
+    let mut n = 0u64;
+    loop {
+        let from_raw = match (raw.next_key_in(prefix)?, journal.peek()) {
+            (None, None) => return Ok(n),
+            (Some(k), Some((jk, _))) => k <= jk.as_slice(),
+            (Some(_), None) => true,
+            (None, Some(_)) => false,
+        };
+        if from_raw {
+            let (k, v) = raw.take();
+            match journal.next_if(|(jk, _)| **jk == k) {
+                Some((_, Some(at_cursor))) => spill_entry(out, &k, at_cursor)?,
+                Some((_, None)) => continue,
+                None => spill_entry(out, &k, &v)?,
+            }
+        } else {
+            match journal.next() {
+                Some((k, Some(at_cursor))) => spill_entry(out, k, at_cursor)?,
+                _ => continue,
+            }
+        }
+        n += 1;
+    }
+}
+
 impl Snapshot {
     fn read_one(&mut self) -> Result<SnapshotBlock, StoreError> {
         let io = |e| StoreError::io("snapshot read", &self.dir, e);
-        let mut len = [0u8; 4];
-        self.reader.read_exact(&mut len).map_err(io)?;
-        let mut key = vec![0u8; u32::from_le_bytes(len) as usize];
-        self.reader.read_exact(&mut key).map_err(io)?;
-        self.reader.read_exact(&mut len).map_err(io)?;
-        let mut value = vec![0u8; u32::from_le_bytes(len) as usize];
-        self.reader.read_exact(&mut value).map_err(io)?;
+        let (key, value) =
+            read_entry(&mut self.reader).map_err(io)?.ok_or_else(|| io(std::io::ErrorKind::UnexpectedEof.into()))?;
         let bad =
             || StoreError::Decode { dir: self.dir.clone(), what: "live block", detail: format!("key {key:02x?}") };
         let (g, rest) = parse_group_key(&key).ok_or_else(bad)?;
