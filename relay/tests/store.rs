@@ -990,3 +990,15 @@ fn a_read_only_state_directory_is_a_clear_error() {
     let s = open(&path);
     assert_eq!(s.incarnation(), 2);
 }
+
+#[test]
+fn a_store_in_use_is_refused_and_opens_once_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    let err = Store::open(cfg(dir.path(), 10, 1 << 20)).unwrap_err();
+    assert!(matches!(&err, StoreError::Locked { dir: d } if d == dir.path()), "{err:?}");
+    assert!(err.to_string().contains(&dir.path().display().to_string()), "{err}");
+    // The lock goes with the store (sled releases it from its background threads: the open waits).
+    drop(s);
+    assert_eq!(open(dir.path()).newest_cursor(), 0);
+}

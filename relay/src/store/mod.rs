@@ -304,8 +304,22 @@ fn meta_u64(meta: &sled::Tree, key: &str) -> Result<Option<u64>, sled::Error> {
     Ok(meta.get(key)?.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok()).map(u64::from_be_bytes))
 }
 
+/// How long an open waits for the store's file lock: a store just closed (in this process, or
+/// by a relay still exiting) releases it when sled's background threads have stopped.
+const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, sled::Error> {
-    sled::Config::new().path(dir).cache_capacity(cache_bytes).open()
+    let started = Instant::now();
+    loop {
+        match sled::Config::new().path(dir).cache_capacity(cache_bytes).open() {
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock") && started.elapsed() < LOCK_WAIT =>
+            {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Moves an unreadable sled directory aside (`unreadable-<unix ms>`), keeping it for inspection.
