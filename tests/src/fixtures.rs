@@ -19,6 +19,31 @@ use crate::wire::{Engine, WireVersion};
 /// Live blocks with copies, per (rank, tier, group).
 pub type Expected = BTreeMap<LiveKey, BTreeMap<u64, u32>>;
 
+/// Blocks checked, mismatched and skipped per rank when each fixture whose engine hash settings
+/// are known is played with the check on. Every stored block of the real captures is checked
+/// (the counts of `stored_hashes_checked` in their manifests) except vllm-hybrid's sliding-window
+/// group, which the relay drops; sglang-basic's LoRA blocks are skipped (their namespace key is
+/// not on the wire).
+pub const HASH_CHECK_FIGURES: &[(&str, &[CheckFigures])] = &[
+    ("golden-sglang-0.4.8", &[(9, 0, 0)]),
+    ("golden-sglang-0.5.18", &[(6, 0, 0)]),
+    ("golden-sglang-0.5.20", &[(9, 0, 0)]),
+    ("golden-sglang-0.5.9", &[(5, 0, 0)]),
+    ("sglang-basic", &[(164, 0, 36)]),
+    ("sglang-dp2", &[(74, 0, 0), (89, 0, 0)]),
+    ("sglang-eagle", &[(84, 0, 0)]),
+    ("vllm-basic", &[(99, 0, 0)]),
+    ("vllm-byteshash", &[(99, 0, 0)]),
+    ("vllm-dp2", &[(44, 0, 0), (48, 0, 0)]),
+    ("vllm-hybrid", &[(101, 0, 0)]),
+    ("vllm-restart", &[(95, 0, 0)]),
+    ("vllm-salt", &[(27, 0, 0)]),
+    ("vllm-sha256cbor", &[(99, 0, 0)]),
+];
+
+/// One rank's hash check: blocks (checked, mismatched, skipped).
+pub type CheckFigures = (u64, u64, u64);
+
 /// The fixtures directory: `KV_RELAY_FIXTURES`, else `shared/fixtures` beside the workspace.
 pub fn dir() -> PathBuf {
     let dir = std::env::var_os("KV_RELAY_FIXTURES")

@@ -393,28 +393,6 @@ fn hash_counts(relay: &Relay, ranks: u32) -> Vec<(u64, u64, u64)> {
         .collect()
 }
 
-/// Blocks checked, mismatched and skipped per rank when each fixture whose engine hash settings
-/// are known is played with the check on. Every stored block of the real captures is checked
-/// (the counts of `stored_hashes_checked` in their manifests) except vllm-hybrid's sliding-window
-/// group, which the relay drops; sglang-basic's LoRA blocks are skipped (their namespace key is
-/// not on the wire).
-const HASH_FIGURES: &[(&str, &[(u64, u64, u64)])] = &[
-    ("golden-sglang-0.4.8", &[(9, 0, 0)]),
-    ("golden-sglang-0.5.18", &[(6, 0, 0)]),
-    ("golden-sglang-0.5.20", &[(9, 0, 0)]),
-    ("golden-sglang-0.5.9", &[(5, 0, 0)]),
-    ("sglang-basic", &[(164, 0, 36)]),
-    ("sglang-dp2", &[(74, 0, 0), (89, 0, 0)]),
-    ("sglang-eagle", &[(84, 0, 0)]),
-    ("vllm-basic", &[(99, 0, 0)]),
-    ("vllm-byteshash", &[(99, 0, 0)]),
-    ("vllm-dp2", &[(44, 0, 0), (48, 0, 0)]),
-    ("vllm-hybrid", &[(101, 0, 0)]),
-    ("vllm-restart", &[(95, 0, 0)]),
-    ("vllm-salt", &[(27, 0, 0)]),
-    ("vllm-sha256cbor", &[(99, 0, 0)]),
-];
-
 /// Every capture and golden stream, played by the mock engine at full speed with the relay
 /// already subscribed, leaves the relay's state equal to the manifest's expected live blocks
 /// (copies counted) — through slow joiners, replay refills and vllm-restart's publisher restart.
@@ -477,7 +455,7 @@ fn captures_played_by_the_mock_engine_leave_the_relay_equal_to_each_manifest() {
         }
     }
     let want: Vec<(String, Vec<(u64, u64, u64)>)> =
-        HASH_FIGURES.iter().map(|(n, c)| (n.to_string(), c.to_vec())).collect();
+        fixtures::HASH_CHECK_FIGURES.iter().map(|(n, c)| (n.to_string(), c.to_vec())).collect();
     assert_eq!(figures, want);
 }
 

@@ -9,10 +9,9 @@ use kv_relay::model::Tier;
 use kv_relay_testkit::engine::{EngineConfig, MockEngine};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
 use kv_relay_testkit::wire::{Engine, WireVersion};
-use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::StagedSnapshot;
-use kv_router_client::{FollowConfig, Follower, WorkerState};
+use kv_router_client::{Follower, WorkerState};
 
 /// Starts a mock engine on a free block of loopback ports (rank r: base + r, replay: base + 50 + r).
 fn engine() -> MockEngine {
@@ -118,15 +117,7 @@ async fn mock_engine_through_the_daemon_converges_to_the_engines_truth() {
     ));
     let url = format!("http://{}", ready_rx.await.unwrap());
 
-    let f = Follower::new(FollowConfig {
-        backoff: BackoffConfig {
-            initial: Duration::from_millis(20),
-            max: Duration::from_millis(200),
-            multiplier: 2.0,
-            jitter: 0.5,
-        },
-        ..FollowConfig::default()
-    });
+    let f = crate::util::quick_follower();
     f.add_relay(&url).unwrap();
 
     let mut src = RandomSource::new(9, 4, 12);

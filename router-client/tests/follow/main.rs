@@ -3,6 +3,7 @@
 
 mod admission;
 mod daemon;
+mod fixtures;
 mod relay;
 mod scripted;
 mod util;

@@ -142,3 +142,17 @@ pub fn staged(blocks: &[(TierId, u64, u32)]) -> StagedSnapshot {
 pub fn arc(s: &str) -> Arc<str> {
     Arc::from(s)
 }
+
+/// A follower that reconnects quickly (20 ms, up to 200 ms), for tests against a real relay.
+#[allow(dead_code)]
+pub fn quick_follower() -> kv_router_client::Follower {
+    kv_router_client::Follower::new(kv_router_client::FollowConfig {
+        backoff: kv_router_client::backoff::BackoffConfig {
+            initial: std::time::Duration::from_millis(20),
+            max: std::time::Duration::from_millis(200),
+            multiplier: 2.0,
+            jitter: 0.5,
+        },
+        ..kv_router_client::FollowConfig::default()
+    })
+}
