@@ -52,6 +52,12 @@ pub struct FollowConfig {
     pub tls_ca_pem: Option<Vec<u8>>,
     /// The largest stream message decoded (the relay sends up to 16 MiB).
     pub max_message_bytes: usize,
+    /// The HTTP/2 receive windows (per stream and per connection) offered to relays: how many
+    /// bytes a relay may send ahead of what this router has read. `None`: the transport's
+    /// defaults (megabytes). A relay tells a router that fell behind its history to resync
+    /// only once its buffers for that router are full, so small windows (say 64 KiB) let a
+    /// stalled router be noticed within seconds rather than after megabytes of records.
+    pub http2_window_bytes: Option<u32>,
     /// Events buffered per [`Follower::events`] receiver; a receiver that falls further behind
     /// loses the oldest (it gets `Lagged`), the follower never waits for it.
     pub events_capacity: usize,
@@ -71,6 +77,7 @@ impl Default for FollowConfig {
             bearer_token: None,
             tls_ca_pem: None,
             max_message_bytes: 64 << 20,
+            http2_window_bytes: None,
             events_capacity: 1024,
             index: IndexConfig::default(),
         }
@@ -356,7 +363,9 @@ fn endpoint(url: &str, cfg: &FollowConfig) -> Result<Endpoint, ClientError> {
         .connect_timeout(cfg.connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(cfg.receive_timeout);
+        .keep_alive_timeout(cfg.receive_timeout)
+        .initial_stream_window_size(cfg.http2_window_bytes)
+        .initial_connection_window_size(cfg.http2_window_bytes);
     if url.starts_with("https://") {
         let mut tls = ClientTlsConfig::new();
         if let Some(ca) = &cfg.tls_ca_pem {

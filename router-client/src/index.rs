@@ -15,7 +15,8 @@
 //! tier (block `i` counts if some tier holds `h_i`, and all earlier blocks counted), and per
 //! tier the leading run within that tier alone. Workers holding none of `h0` (0 matched blocks)
 //! are omitted, as are tiers with a run of 0. After any sequence of operations every lookup
-//! equals [`reference::ReferenceIndex::lookup`] exactly.
+//! equals [`reference::ReferenceIndex::lookup`] exactly. [`PrefixIndex::blocks`] lists one
+//! worker's whole state (every tier, hash and copy count), for audits and end-to-end checks.
 //!
 //! ```
 //! use kv_router_client::index::{PrefixIndex, StagedSnapshot, TierId};
@@ -96,6 +97,7 @@ mod snapshot;
 mod table;
 
 use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
@@ -633,6 +635,30 @@ impl PrefixIndex {
             }
         });
         copies
+    }
+
+    /// Every block `worker` holds: per tier, each hash with its copy count (no entry has 0
+    /// copies). The worker's whole state as a lookup would see it now: a concurrent
+    /// [`replace_worker`](Self::replace_worker) is seen whole or not at all, concurrent
+    /// incremental writes block by block. Equals [`reference::ReferenceIndex::blocks`] after
+    /// the same operations.
+    ///
+    /// Cost: a scan of every shard (O(total slots), about a millisecond per million blocks):
+    /// for audits, tests and debugging, not the request path.
+    pub fn blocks(&self, worker: WorkerId) -> BTreeMap<TierId, BTreeMap<u64, u32>> {
+        let _reading = self.grace.read();
+        let seq0 = self.swap_seq.load(Ordering::SeqCst);
+        let mine = ((worker.get() as u64) << 1) | self.visible_tag(worker.get(), seq0);
+        let mut out: BTreeMap<TierId, BTreeMap<u64, u32>> = BTreeMap::new();
+        for t in self.tables.load().iter() {
+            t.for_each_entry(|hash, v| {
+                if v >> 40 == mine {
+                    let tier = TierId::new(table::tier_of(v)).expect("packed tier ids are valid");
+                    out.entry(tier).or_default().insert(hash, (v & table::COPIES) as u32);
+                }
+            });
+        }
+        out
     }
 
     /// Counters and sizes.

@@ -11,7 +11,8 @@
 //!    `allow_snapshot = false` either continues at exactly the next cursor (the record was
 //!    durable) or fails with FAILED_PRECONDITION (the relay lost it: the tail after the last
 //!    durable commit, or a cursor ahead of the relay);
-//! 5. a following subscriber (resume or snapshot resync on its own) equals the truth.
+//! 5. a following router (the client library's follower: it resumes or resyncs from a snapshot
+//!    on its own) equals the truth.
 //!
 //! 20 kills by default (about a minute); `KV_RELAY_CRASH_KILLS` for more, `KV_RELAY_CRASH_SEED`
 //! for another seed. Needs `target/debug/kv-relay` (`cargo build -p kv-relay --bins`).
@@ -20,7 +21,8 @@ use kv_relay::live::LiveBlocks;
 use kv_relay::model::{ControlKind, RecordBody};
 use kv_relay_proto::pb;
 use kv_relay_testkit::drills::harness::*;
-use kv_relay_testkit::drills::sub::{SubState, Subscriber};
+use kv_relay_testkit::drills::router::Router;
+use kv_router_client::{FollowConfig, Position};
 use std::time::{Duration, Instant};
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -64,7 +66,7 @@ fn record_incarnation(r: &pb::HistoryResponse) -> u32 {
 }
 
 /// Resumes `pos` with `allow_snapshot = false`: `Ok(first cursor streamed)` or the error code.
-fn resume_without_snapshot(url: &str, pos: &SubState) -> Result<u64, tonic::Code> {
+fn resume_without_snapshot(url: &str, pos: &Position) -> Result<u64, tonic::Code> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
     rt.block_on(async {
         let mut c = kv_relay::ctl::connect(&kv_relay::ctl::Target { url: url.to_string(), ..Default::default() })
@@ -118,14 +120,14 @@ fn sigkill_at_random_points_keeps_history_contiguous_snapshot_consistent_and_con
     );
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
     let t = Traffic::start(&e, 40, 44);
-    let follower = Subscriber::start(rt.handle(), r.url(), Duration::ZERO, None);
+    let follower = Router::start(rt.handle(), r.url(), FollowConfig::default());
     let epoch = status(&r.url()).unwrap().epoch;
     let (mut lost_tails, mut durable_resumes, mut lost_records) = (0, 0, 0u64);
     let started = Instant::now();
     for k in 1..=kills {
         // Run for a random while, then kill at that point of the ingest.
         std::thread::sleep(Duration::from_millis(150 + rand(1200)));
-        let before = follower.get();
+        let before = follower.get().position;
         r.kill();
         let killed_at = status(&r.url()).is_err();
         assert!(killed_at, "kill {k}: the relay still answers after SIGKILL");
@@ -204,7 +206,7 @@ fn sigkill_at_random_points_keeps_history_contiguous_snapshot_consistent_and_con
          told to resync; follower snapshots {:?}, gaps {}",
         started.elapsed().as_secs_f64(),
         s.snapshots,
-        s.gaps
+        s.counters.gaps
     );
-    assert_eq!(s.gaps, 0, "the follower saw a cursor gap");
+    assert_eq!(s.counters.gaps, 0, "the follower saw a cursor gap");
 }

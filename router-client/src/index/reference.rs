@@ -79,6 +79,19 @@ impl ReferenceIndex {
         self.blocks.get(&(worker, tier, hash)).copied().unwrap_or(0)
     }
 
+    /// Every block a worker holds: per tier, each hash with its copy count.
+    pub fn blocks(&self, worker: WorkerId) -> BTreeMap<TierId, BTreeMap<u64, u32>> {
+        let mut out: BTreeMap<TierId, BTreeMap<u64, u32>> = BTreeMap::new();
+        let from = (worker, TierId::new(0).expect("tier 0"), 0);
+        for (&(w, t, h), &c) in self.blocks.range(from..) {
+            if w != worker {
+                break;
+            }
+            out.entry(t).or_default().insert(h, c);
+        }
+        out
+    }
+
     /// Number of `(worker, tier, hash)` blocks with copies > 0.
     pub fn len(&self) -> usize {
         self.blocks.len()

@@ -213,6 +213,32 @@ impl Table {
         }
     }
 
+    /// Calls `f(hash, value)` with every live slot. Lock-free, like [`Table::for_each`]: a slot
+    /// written concurrently is seen before or after the write, never torn.
+    pub fn for_each_entry(&self, mut f: impl FnMut(u64, u64)) {
+        for slot in self.published_slots() {
+            let v = slot.val.load(Ordering::Acquire);
+            if v != TOMB {
+                f(slot.key.load(Ordering::Relaxed), v);
+            }
+        }
+    }
+
+    /// Every published slot (live or tombstoned), group by group.
+    fn published_slots(&self) -> impl Iterator<Item = &Slot> + '_ {
+        self.ctrl.iter().enumerate().flat_map(move |(g, ctrl)| {
+            let mut full = !ctrl.load(Ordering::Acquire) & HI;
+            std::iter::from_fn(move || {
+                if full == 0 {
+                    return None;
+                }
+                let i = g * GROUP + (full.trailing_zeros() / 8) as usize;
+                full &= full - 1;
+                Some(&self.slots[i])
+            })
+        })
+    }
+
     /// Adds `copies` (> 0) to `holder` under `p.hash`. Caller holds the shard's mutex.
     pub fn add(&self, p: &Probe, holder: u64, copies: u32) -> Added {
         debug_assert!(copies > 0 && holder & COPIES == 0);
@@ -328,16 +354,11 @@ impl Table {
     /// the shard's mutex.
     pub fn remove_where(&self, mut drop: impl FnMut(u64) -> bool) -> usize {
         let mut removed = 0;
-        for (g, ctrl) in self.ctrl.iter().enumerate() {
-            let mut full = !ctrl.load(Ordering::Relaxed) & HI;
-            while full != 0 {
-                let slot = &self.slots[g * GROUP + (full.trailing_zeros() / 8) as usize];
-                full &= full - 1;
-                let v = slot.val.load(Ordering::Relaxed);
-                if v != TOMB && drop(v) {
-                    slot.val.store(TOMB, Ordering::Release);
-                    removed += 1;
-                }
+        for slot in self.published_slots() {
+            let v = slot.val.load(Ordering::Relaxed);
+            if v != TOMB && drop(v) {
+                slot.val.store(TOMB, Ordering::Release);
+                removed += 1;
             }
         }
         self.live.fetch_sub(removed, Ordering::Relaxed);
@@ -356,17 +377,7 @@ impl Table {
     pub fn rebuilt(&self, extra: usize) -> Table {
         let live = self.live();
         let next = Table::for_entries(live + extra);
-        for (g, ctrl) in self.ctrl.iter().enumerate() {
-            let mut full = !ctrl.load(Ordering::Relaxed) & HI;
-            while full != 0 {
-                let slot = &self.slots[g * GROUP + (full.trailing_zeros() / 8) as usize];
-                full &= full - 1;
-                let v = slot.val.load(Ordering::Relaxed);
-                if v != TOMB {
-                    next.place(&Probe::new(slot.key.load(Ordering::Relaxed)), v, Ordering::Relaxed);
-                }
-            }
-        }
+        self.for_each_entry(|key, v| next.place(&Probe::new(key), v, Ordering::Relaxed));
         debug_assert_eq!(next.live(), live);
         next
     }

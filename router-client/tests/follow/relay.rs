@@ -322,6 +322,24 @@ async fn follows_history_then_live_and_equals_the_store() {
 }
 
 #[tokio::test]
+async fn small_http2_windows_still_follow_every_record() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = open_store(dir.path(), HistoryLimits::default());
+    let server = Server::start(&store, None).await;
+    let (mut traffic, mut records) = (Traffic::new(9, 2), Vec::new());
+    traffic.commit(&store, 3000, &mut records);
+
+    // 16 KiB windows: the history (far more than 16 KiB) arrives a window at a time.
+    let f = Follower::new(FollowConfig { http2_window_bytes: Some(16 << 10), ..follow_cfg() });
+    f.add_relay(&server.url()).unwrap();
+    let r = caught_up(&f, &server.url(), &store).await;
+    assert_exact(&f, &server.url(), &store, &records, &traffic);
+    assert_eq!((r.counters.records_applied, r.counters.snapshots, r.counters.gaps), (3000, 0, 0));
+    f.shutdown().await;
+    server.stop().await;
+}
+
+#[tokio::test]
 async fn resumes_after_a_disconnect_without_a_snapshot() {
     let dir = tempfile::tempdir().unwrap();
     let store = open_store(dir.path(), HistoryLimits::default());

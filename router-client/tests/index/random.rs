@@ -121,9 +121,11 @@ fn run(seed: u64, ops: usize, config: IndexConfig) -> usize {
         lookups += 2;
         if op % 1024 == 0 {
             p.check_counts();
+            p.check_blocks(&WORKERS.map(w));
         }
     }
     p.check_counts();
+    p.check_blocks(&WORKERS.map(w));
     lookups
 }
 
@@ -201,6 +203,7 @@ proptest! {
                 p.lookup(&[start, (start * 7) % 12]);
             }
             p.check_counts();
+            p.check_blocks(&[w(0), w(1), w(2)]);
         }
     }
 }

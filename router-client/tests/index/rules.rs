@@ -1,5 +1,7 @@
 //! One test per rule, with exact expected values, checked against the reference as well.
 
+use std::collections::BTreeMap;
+
 use kv_router_client::index::{IndexConfig, LookupResult, StagedSnapshot, TierId, TierRun};
 
 use crate::util::{seq, t, w, Pair};
@@ -145,6 +147,32 @@ fn replace_worker_swaps_the_whole_state_and_sums_duplicates() {
     assert_eq!(flat(&p.lookup(&s)), vec![(1, 2, vec![(0, 2)])]);
     assert_eq!(p.index.stats().replaces, 2);
     p.check_counts();
+}
+
+#[test]
+fn blocks_lists_a_workers_whole_state_by_tier_with_copies() {
+    let mut p = pair();
+    let s = seq(3, 4);
+    p.store(w(0), TierId::DEVICE, &s);
+    p.store(w(0), TierId::DEVICE, &s[..1]);
+    p.store(w(0), t(9), &s[2..]);
+    p.store(w(1), TierId::HOST, &s[..2]);
+    p.remove(w(0), TierId::DEVICE, &[s[3]]);
+    let want = BTreeMap::from([
+        (TierId::DEVICE, BTreeMap::from([(s[0], 2), (s[1], 1), (s[2], 1)])),
+        (t(9), BTreeMap::from([(s[2], 1), (s[3], 1)])),
+    ]);
+    assert_eq!(p.index.blocks(w(0)), want);
+    assert_eq!(p.index.blocks(w(1)), BTreeMap::from([(TierId::HOST, BTreeMap::from([(s[0], 1), (s[1], 1)]))]));
+    assert_eq!(p.index.blocks(w(2)), BTreeMap::new());
+    // A replace is listed whole; a tier cleared is gone.
+    let mut snap = StagedSnapshot::new();
+    snap.push(TierId::DISK, s[1], 3);
+    p.replace(w(1), &snap);
+    p.clear(w(0), Some(t(9)));
+    assert_eq!(p.index.blocks(w(1)), BTreeMap::from([(TierId::DISK, BTreeMap::from([(s[1], 3)]))]));
+    assert_eq!(p.index.blocks(w(0)).keys().copied().collect::<Vec<_>>(), vec![TierId::DEVICE]);
+    p.check_blocks(&[w(0), w(1), w(2)]);
 }
 
 #[test]

@@ -78,6 +78,19 @@ impl Pair {
         got
     }
 
+    /// Each worker's whole state (tiers, hashes, copies) agrees, listed both ways.
+    pub fn check_blocks(&self, workers: &[WorkerId]) {
+        for &wk in workers {
+            let (got, want) = (self.index.blocks(wk), self.reference.blocks(wk));
+            assert_eq!(got, want, "blocks of worker {}", wk.get());
+            for (&tier, hashes) in &want {
+                for (&h, &c) in hashes {
+                    assert_eq!(self.index.copies(wk, tier, h), c, "copies of {h:x}");
+                }
+            }
+        }
+    }
+
     /// Block counts and missing-remove counters agree.
     pub fn check_counts(&self) {
         let stats = self.index.stats();

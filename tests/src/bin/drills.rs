@@ -1,7 +1,8 @@
 //! Runs the fault drills of issue 8 and prints each drill's rule, what it measured, and
 //! PASS / FAIL / SKIPPED. `--long` runs the soak rows at full length (engine gone 10 s, 64
 //! subscribers for 10 minutes, ...); `--only NAME` runs one drill (names: `--list`).
-//! Needs the `kv-relay` binary (`cargo build -p kv-relay --bins`, or `KV_RELAY_BIN`).
+//! Needs the `kv-relay` binary (`cargo build -p kv-relay --bins`, or `KV_RELAY_BIN`). Run `--long`
+//! in release, with `KV_RELAY_BIN=target/release/kv-relay` (docs/drills.md).
 
 use clap::Parser;
 use kv_relay_testkit::drills::{Scale, DRILLS};

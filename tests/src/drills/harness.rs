@@ -2,7 +2,7 @@
 //! still for a comparison, `kv-relay` as a separate process (SIGKILL, restart on the same state
 //! directory and ports), its Status / History / metrics / RSS, and the "equal" check.
 
-use super::sub::{SubState, Subscriber};
+use super::router::{truth_held, Router, RouterState};
 use crate::client::free_ports;
 use crate::engine::{EngineConfig, MockEngine};
 use crate::traffic::{RandomSource, RequestSource};
@@ -139,15 +139,15 @@ pub fn size_of(b: &BTreeMap<LiveKey, BTreeMap<u64, u32>>) -> (usize, usize, u64)
     (b.len(), b.values().map(BTreeMap::len).sum(), b.values().flat_map(|s| s.values()).map(|&c| u64::from(c)).sum())
 }
 
-/// Holds the traffic, flushes the engine and waits up to `within` for every subscriber to equal
-/// the truth. Returns whether they did.
-pub fn equal_now(e: &MockEngine, traffic: Option<&Traffic>, subs: &[&Subscriber], within: Duration) -> bool {
+/// Holds the traffic, flushes the engine and waits up to `within` for every router's index to
+/// equal the truth (every worker, tier, hash and copy count, both ways). Returns whether it did.
+pub fn equal_now(e: &MockEngine, traffic: Option<&Traffic>, routers: &[&Router], within: Duration) -> bool {
     let check = || {
         let _ = e.flush();
-        let want = truth_as_live(&e.truth());
+        let want = truth_held(&e.truth());
         let deadline = Instant::now() + within;
         loop {
-            if subs.iter().all(|s| s.get().blocks() == want) {
+            if routers.iter().all(|r| r.held() == want) {
                 return true;
             }
             if Instant::now() >= deadline {
@@ -167,12 +167,12 @@ pub fn equal_now(e: &MockEngine, traffic: Option<&Traffic>, subs: &[&Subscriber]
 pub fn time_to_equal(
     e: &MockEngine,
     traffic: Option<&Traffic>,
-    subs: &[&Subscriber],
+    routers: &[&Router],
     since: Instant,
     limit: Duration,
 ) -> Option<Duration> {
     loop {
-        if equal_now(e, traffic, subs, Duration::from_millis(300)) {
+        if equal_now(e, traffic, routers, Duration::from_millis(300)) {
             return Some(since.elapsed());
         }
         if since.elapsed() > limit {
@@ -183,19 +183,26 @@ pub fn time_to_equal(
 }
 
 /// A difference report for a failed comparison.
-pub fn diff(e: &MockEngine, s: &SubState) -> String {
-    let want = truth_as_live(&e.truth());
-    let got = s.blocks();
+pub fn diff(e: &MockEngine, s: &RouterState) -> String {
+    let want = truth_held(&e.truth());
+    let got = &s.held;
     let mut out = Vec::new();
     for k in want.keys().chain(got.keys()).collect::<std::collections::BTreeSet<_>>() {
         let (w, g) = (want.get(k), got.get(k));
         if w != g {
             let wn = w.map_or(0, BTreeMap::len);
             let gn = g.map_or(0, BTreeMap::len);
-            out.push(format!("{k:?}: truth {wn} blocks, subscriber {gn}"));
+            out.push(format!("rank {} {}: truth {wn} blocks, router {gn}", k.0, k.1));
         }
     }
-    format!("cursor {} snapshots {:?} gaps {} errors {:?}; {}", s.cursor, s.snapshots, s.gaps, s.errors, out.join("; "))
+    format!(
+        "cursor {} snapshots {:?} counters {:?} last error {:?}; {}",
+        s.cursor(),
+        s.snapshots,
+        s.counters,
+        s.last_error,
+        out.join("; ")
+    )
 }
 
 /// A `kv-relay` process on fixed loopback ports, restartable on the same state directory.
@@ -306,8 +313,14 @@ impl RelayProc {
 
     /// The process's resident set, in KiB (`/proc/PID/status` VmRSS).
     pub fn rss_kib(&self) -> Option<u64> {
+        self.proc_status("VmRSS")
+    }
+
+    /// A number from `/proc/PID/status` (`VmRSS`, `Threads`, ...).
+    pub fn proc_status(&self, field: &str) -> Option<u64> {
         let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
-        s.lines().find(|l| l.starts_with("VmRSS:"))?.split_whitespace().nth(1)?.parse().ok()
+        let line = s.lines().find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+        line.split_whitespace().nth(1)?.parse().ok()
     }
 
     /// The Prometheus text from `--metrics-listen`.
