@@ -20,7 +20,7 @@ struct Cli {
 
 #[derive(Args)]
 struct TargetArgs {
-    /// The relay's gRPC address.
+    /// The relay's gRPC address; `HOST:PORT` means `http://HOST:PORT` (`https://` with `--tls-*`).
     #[arg(long, global = true, env = "KV_RELAY_ADDR", default_value = "http://127.0.0.1:50051")]
     relay: String,
     /// Bearer token, when the relay requires one.
@@ -29,11 +29,11 @@ struct TargetArgs {
     /// CA certificate (PEM) to verify the relay's TLS certificate (enables TLS).
     #[arg(long, global = true, env = "KV_RELAY_TLS_CA")]
     tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS.
-    #[arg(long, global = true, env = "KV_RELAY_TLS_CERT")]
+    /// Client certificate (PEM) for mutual TLS (with --tls-key).
+    #[arg(long, global = true, env = "KV_RELAY_TLS_CERT", requires = "tls_key")]
     tls_cert: Option<PathBuf>,
-    /// Client key (PEM) for mutual TLS.
-    #[arg(long, global = true, env = "KV_RELAY_TLS_KEY")]
+    /// Client key (PEM) for mutual TLS (with --tls-cert).
+    #[arg(long, global = true, env = "KV_RELAY_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     /// The name to verify in the relay's certificate.
     #[arg(long, global = true, env = "KV_RELAY_TLS_DOMAIN")]
@@ -61,8 +61,8 @@ enum Cmd {
         /// At most this many records.
         #[arg(long)]
         limit: Option<u32>,
-        /// Keep following new records live.
-        #[arg(long)]
+        /// Keep following new records live (until interrupted).
+        #[arg(long, conflicts_with = "to")]
         follow: bool,
         /// One JSON object per record.
         #[arg(long)]
@@ -100,8 +100,9 @@ fn out(s: &str) -> anyhow::Result<()> {
 }
 
 async fn run(cli: Cli) -> anyhow::Result<()> {
+    let tls = cli.target.tls_ca.is_some() || cli.target.tls_cert.is_some();
     let t = Target {
-        url: cli.target.relay.clone(),
+        url: with_scheme(&cli.target.relay, tls),
         token: cli.target.token.clone(),
         tls_ca: cli.target.tls_ca.clone(),
         tls_cert: cli.target.tls_cert.clone(),
@@ -132,43 +133,44 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         Cmd::History { rank, from, to, limit, follow, json } => {
             let mut c = ctl::connect(&t).await?;
             let s = c.status(pb::StatusRequest {}).await.map_err(rpc)?.into_inner();
-            let (from, limit) = match (from, to, limit) {
-                (Some(f), _, l) => (f, l.unwrap_or(0)),
-                (None, Some(to), l) => {
-                    let l = l.unwrap_or(20);
-                    (to.saturating_sub(u64::from(l)).saturating_add(1).max(s.oldest_cursor), l)
-                }
-                (None, None, l) => {
-                    let l = l.unwrap_or(20);
-                    (s.newest_cursor.saturating_sub(u64::from(l)).saturating_add(1).max(s.oldest_cursor), l)
-                }
-            };
             if !json {
                 out(&format!("{}\n", ctl::HISTORY_HEADER))?;
             }
-            let mut last = from.saturating_sub(1);
-            if s.newest_cursor >= from {
-                let req = pb::HistoryRequest {
-                    from_cursor: from,
-                    to_cursor: to.unwrap_or(0),
-                    limit,
-                    ranks: rank.clone(),
-                    epoch: s.epoch,
-                };
-                let mut stream = c.history(req).await.map_err(rpc)?.into_inner();
-                while let Some(r) = stream.message().await.map_err(rpc)? {
-                    last = match &r.record {
-                        Some(pb::history_response::Record::Batch(b)) => b.cursor,
-                        Some(pb::history_response::Record::Control(c)) => c.cursor,
-                        None => last,
-                    };
-                    out(&format!("{}\n", if json { ctl::record_json(&r).to_string() } else { ctl::record_line(&r) }))?;
+            let print = |r: &pb::HistoryResponse| {
+                out(&format!("{}\n", if json { ctl::record_json(r).to_string() } else { ctl::record_line(r) }))
+            };
+            // Where a follow resumes: after the last record listed.
+            let last = match from {
+                Some(from) => {
+                    let mut last = from.saturating_sub(1);
+                    if s.newest_cursor >= from {
+                        let req = pb::HistoryRequest {
+                            from_cursor: from,
+                            to_cursor: to.unwrap_or(0),
+                            limit: limit.unwrap_or(0),
+                            ranks: rank.clone(),
+                            epoch: s.epoch,
+                        };
+                        let mut stream = c.history(req).await.map_err(rpc)?.into_inner();
+                        while let Some(r) = stream.message().await.map_err(rpc)? {
+                            last = record_cursor(&r).unwrap_or(last);
+                            print(&r)?;
+                        }
+                    }
+                    last
                 }
-            }
+                None => {
+                    let top = to.unwrap_or(s.newest_cursor).min(s.newest_cursor);
+                    for r in newest(&mut c, &s, top, &rank, limit.unwrap_or(20)).await.map_err(rpc)? {
+                        print(&r)?;
+                    }
+                    top
+                }
+            };
             if follow {
                 let req = pb::SubscribeRequest {
                     epoch: s.epoch,
-                    after_cursor: last.max(s.newest_cursor.min(last)),
+                    after_cursor: last,
                     incarnation: s.incarnation,
                     allow_snapshot: false,
                     ranks: rank,
@@ -230,13 +232,81 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `HOST:PORT` as a URL: `http://HOST:PORT`, or `https://` when TLS is asked for.
+fn with_scheme(relay: &str, tls: bool) -> String {
+    if relay.contains("://") {
+        relay.to_string()
+    } else {
+        format!("{}://{relay}", if tls { "https" } else { "http" })
+    }
+}
+
+fn record_cursor(r: &pb::HistoryResponse) -> Option<u64> {
+    match &r.record {
+        Some(pb::history_response::Record::Batch(b)) => Some(b.cursor),
+        Some(pb::history_response::Record::Control(c)) => Some(c.cursor),
+        None => None,
+    }
+}
+
+/// The newest `limit` records of `ranks` (every rank when empty) at or before cursor `top`, in
+/// cursor order. The History RPC reads forwards, so with a rank filter the window is widened
+/// until it holds `limit` matching records or reaches the oldest cursor.
+async fn newest(
+    c: &mut ctl::Client,
+    s: &pb::StatusResponse,
+    top: u64,
+    ranks: &[u32],
+    limit: u32,
+) -> Result<Vec<pb::HistoryResponse>, tonic::Status> {
+    if limit == 0 || top < s.oldest_cursor.max(1) {
+        return Ok(Vec::new());
+    }
+    let mut span = u64::from(limit);
+    loop {
+        let from = top.saturating_sub(span - 1).max(s.oldest_cursor).max(1);
+        let req =
+            pb::HistoryRequest { from_cursor: from, to_cursor: top, limit: 0, ranks: ranks.to_vec(), epoch: s.epoch };
+        let mut stream = c.history(req).await?.into_inner();
+        let mut got = Vec::new();
+        while let Some(r) = stream.message().await? {
+            got.push(r);
+        }
+        if got.len() >= limit as usize || from <= s.oldest_cursor.max(1) {
+            let skip = got.len().saturating_sub(limit as usize);
+            return Ok(got.split_off(skip));
+        }
+        span = span.saturating_mul(4);
+    }
+}
+
+/// A call the connection failed under (`Unknown: transport error`): with TLS 1.3 a relay that
+/// refuses the client certificate says so only at the first call.
+fn broke(e: &CtlError) -> bool {
+    matches!(e, CtlError::Rpc { code: tonic::Code::Unknown, message, .. } if message.starts_with("transport error"))
+}
+
+/// The exit status of a failure: 69 (`EX_UNAVAILABLE`) when the relay cannot be reached, 77
+/// (`EX_NOPERM`) when it refuses the token or certificate, 2 for a bad relay address (as for any
+/// other bad flag), and 1 otherwise.
+fn exit_code(e: &anyhow::Error) -> u8 {
+    match e.chain().find_map(|c| c.downcast_ref::<CtlError>()) {
+        Some(CtlError::Connect { .. }) => 69,
+        Some(CtlError::Rpc { code: tonic::Code::Unavailable, .. }) => 69,
+        Some(e @ CtlError::Rpc { .. }) if broke(e) => 69,
+        Some(CtlError::Rpc { code: tonic::Code::Unauthenticated | tonic::Code::PermissionDenied, .. }) => 77,
+        Some(CtlError::Address { .. }) => 2,
+        _ => 1,
+    }
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("relayctl: cannot start: {e}");
-            return ExitCode::from(2);
+            return ExitCode::from(1);
         }
     };
     match rt.block_on(run(cli)) {
@@ -251,7 +321,13 @@ fn main() -> ExitCode {
             for cause in e.chain().skip(1) {
                 eprintln!("  caused by: {cause}");
             }
-            ExitCode::from(2)
+            if e.chain().filter_map(|c| c.downcast_ref::<CtlError>()).any(broke) {
+                eprintln!(
+                    "  the connection failed during the call: check --relay, and the TLS settings (--tls-ca; \
+                     --tls-cert and --tls-key when the relay requires a client certificate)"
+                );
+            }
+            ExitCode::from(exit_code(&e))
         }
     }
 }
