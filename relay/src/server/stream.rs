@@ -227,16 +227,17 @@ impl Subscriber {
                 Ok(r) => r,
                 Err(st) => return send(tx, Err(st)).await,
             };
-            if let Some(first) = records.first() {
-                if first.cursor != pos + 1 {
-                    return self.resync(tx, pos, first.cursor).await;
-                }
-                for r in &records {
+            if !records.is_empty() {
+                let (n, hole) = continuing(pos, &records);
+                for r in &records[..n] {
                     pos = r.cursor;
                     if self.wants(record_rank(r)) {
                         send(tx, Ok(record_to_pb(r).into_subscribe())).await?;
                         last_sent = Instant::now();
                     }
+                }
+                if let Some(next) = hole {
+                    return self.resync(tx, pos, next).await;
                 }
                 continue;
             }
@@ -324,6 +325,17 @@ impl Subscriber {
     }
 }
 
+/// How many of `records` (a page read after cursor `pos`) continue `pos` without a hole, and
+/// the cursor after the first hole. A page is read while commits trim the history, and sled's
+/// iterators are not snapshots: a trim that overtakes the reader within a page leaves a hole,
+/// which a subscriber must never be sent across (it resyncs instead).
+fn continuing(pos: u64, records: &[crate::model::Record]) -> (usize, Option<u64>) {
+    match records.iter().zip(pos + 1..).position(|(r, want)| r.cursor != want) {
+        Some(i) => (i, Some(records[i].cursor)),
+        None => (records.len(), None),
+    }
+}
+
 /// Streams the History RPC's records.
 pub(crate) async fn send_history(
     store: Store,
@@ -360,5 +372,26 @@ pub(crate) async fn send_history(
                 sent += 1;
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::continuing;
+    use crate::model::{Control, ControlKind, Record, RecordBody};
+
+    fn page(cursors: &[u64]) -> Vec<Record> {
+        let body = RecordBody::Control(Control { dp_rank: 0, kind: ControlKind::RankRecovered });
+        cursors.iter().map(|&cursor| Record { cursor, incarnation: 1, body: body.clone() }).collect()
+    }
+
+    #[test]
+    fn a_page_is_sent_only_up_to_its_first_hole() {
+        assert_eq!(continuing(4, &page(&[5, 6, 7])), (3, None));
+        // The history was trimmed past the reader mid-page: 7 and 8 are gone.
+        assert_eq!(continuing(4, &page(&[5, 6, 9, 10])), (2, Some(9)));
+        // ... or before its first record.
+        assert_eq!(continuing(4, &page(&[6, 7])), (0, Some(6)));
+        assert_eq!(continuing(4, &page(&[])), (0, None));
     }
 }
