@@ -320,6 +320,9 @@ async fn status_loop(
             ] {
                 status.set_counter(&format!("rank{rank}.{name}"), v);
             }
+            for (reason, v) in &s.dropped.0 {
+                status.set_counter(&format!("rank{rank}.dropped_events.{reason}"), *v);
+            }
         }
     }
 }

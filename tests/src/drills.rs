@@ -635,6 +635,23 @@ pub fn garbage(_scale: Scale) -> Report {
     for (reason, c) in &counts {
         rep.check(*c >= n as f64, format!("{reason}: counted {c}, injected {n}"));
     }
+    // Status counts the same drops per rank (`rank<N>.dropped_events.<reason>`, refreshed every
+    // second), as the metrics do since the relay started.
+    for reason in ["truncated_event", "invalid_block_hashes"] {
+        let total =
+            metric(&m1, "kv_relay_dropped_events_total", &[&format!("reason=\"{reason}\"")]).unwrap_or(0.0) as u64;
+        let suffix = format!(".dropped_events.{reason}");
+        let in_status = || {
+            status(&r.url()).map(|st| st.counters.iter().filter(|(k, _)| k.ends_with(&suffix)).map(|(_, v)| *v).sum())
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let mut seen: u64 = in_status().unwrap_or(0);
+        while seen != total && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(100));
+            seen = in_status().unwrap_or(0);
+        }
+        rep.check(seen == total, format!("Status counts {seen} {reason} drops, the metrics {total}"));
+    }
     let s = a.get();
     let st = status(&r.url()).unwrap_or_default();
     rep.check(

@@ -286,6 +286,9 @@ fn garbage_frames_are_counted_and_nothing_else_is_lost() {
     // wrong frame count, short seq, not msgpack, truncated batch: one each.
     assert_eq!(st.message_errors, 4);
     assert_eq!(relay.seen.lock().unwrap().drops.get("invalid_block_hashes"), Some(&1));
+    // The rank's status counts them by reason too (Status shows them as counters): the bad hash,
+    // and the event cut off by the truncated batch.
+    assert_eq!(st.dropped.0, BTreeMap::from([("invalid_block_hashes", 1), ("truncated_event", 1)]));
     assert_eq!(st.lost, 0);
     assert_eq!(relay.health(0), Health::Ok);
 }
@@ -455,7 +458,7 @@ fn captures_played_by_the_mock_engine_leave_the_relay_equal_to_each_manifest() {
             assert_eq!(relay.status(0).hash_check, None, "{name}");
         }
     }
-    let want: Vec<(String, Vec<(u64, u64, u64)>)> =
+    let want: Vec<(String, Vec<fixtures::CheckFigures>)> =
         fixtures::HASH_CHECK_FIGURES.iter().map(|(n, c)| (n.to_string(), c.to_vec())).collect();
     assert_eq!(figures, want);
 }

@@ -136,7 +136,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             if !json {
                 out(&format!("{}\n", ctl::HISTORY_HEADER))?;
             }
+            // Lines go to stdout as they come; when that is a file and stderr a terminal, a count.
+            let progress = Progress::new("records", !std::io::stdout().is_terminal());
             let print = |r: &pb::HistoryResponse| {
+                progress.add(1);
                 out(&format!("{}\n", if json { ctl::record_json(r).to_string() } else { ctl::record_line(r) }))
             };
             // Where a follow resumes: after the last record listed.
@@ -167,6 +170,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     top
                 }
             };
+            progress.done();
             if follow {
                 let req = pb::SubscribeRequest {
                     epoch: s.epoch,
@@ -197,8 +201,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
             let req = pb::SnapshotRequest { ranks: rank, tiers: tier, include_token_ids };
             let mut stream = c.snapshot(req).await.map_err(rpc)?.into_inner();
             let mut sum = SnapshotSummary::default();
-            let progress = std::io::stderr().is_terminal();
-            let mut n = 0u64;
+            let progress = Progress::new("blocks", true);
             while let Some(m) = stream.message().await.map_err(rpc)? {
                 match m.message {
                     Some(pb::snapshot_response::Message::Begin(b)) => {
@@ -207,21 +210,16 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                         sum.incarnation = b.incarnation;
                     }
                     Some(pb::snapshot_response::Message::Chunk(ch)) => {
+                        progress.add(ch.blocks.len() as u64);
                         for b in ch.blocks {
                             sum.add(b, blocks);
-                            n += 1;
-                        }
-                        if progress {
-                            eprint!("\rreceived {n} blocks");
                         }
                     }
                     Some(pb::snapshot_response::Message::End(e)) => sum.cursor = e.cursor,
                     None => {}
                 }
             }
-            if progress && n > 0 {
-                eprintln!();
-            }
+            progress.done();
             if json {
                 out(&format!("{}\n", serde_json::to_string_pretty(&sum.json(blocks, include_token_ids))?))?;
             } else {
@@ -230,6 +228,35 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+/// What a long command has received so far, counted on stderr when stderr is a terminal (and
+/// `also` holds): `received 12000 records`.
+struct Progress {
+    on: bool,
+    what: &'static str,
+    n: std::cell::Cell<u64>,
+}
+
+impl Progress {
+    fn new(what: &'static str, also: bool) -> Self {
+        Progress { on: also && std::io::stderr().is_terminal(), what, n: std::cell::Cell::new(0) }
+    }
+
+    fn add(&self, k: u64) {
+        let before = self.n.get();
+        self.n.set(before + k);
+        // Every 1,000 (a chunk of a snapshot is 1,024 blocks: every chunk).
+        if self.on && (before / 1000 != (before + k) / 1000) {
+            eprint!("\rreceived {} {}", before + k, self.what);
+        }
+    }
+
+    fn done(&self) {
+        if self.on && self.n.get() >= 1000 {
+            eprintln!("\rreceived {} {}", self.n.get(), self.what);
+        }
+    }
 }
 
 /// `HOST:PORT` as a URL: `http://HOST:PORT`, or `https://` when TLS is asked for.

@@ -111,6 +111,8 @@ pub struct RankStatus {
     pub lost: u64,
     pub restarts: u64,
     pub message_errors: u64,
+    /// Events dropped, by reason (`crate::drops`), since the relay started.
+    pub dropped: Tally,
     pub tail_probes: u64,
     /// What the hash check found so far; `None` when the check is off.
     pub hash_check: Option<CheckCounts>,
@@ -330,6 +332,9 @@ impl Rank {
             s.batches += 1;
             if refilled {
                 s.refilled += 1;
+            }
+            for (reason, k) in &n.drops.0 {
+                s.dropped.add(reason, *k);
             }
         });
         self.send(IngestItem::Batch { batch: n.batch, drops: n.drops, refilled })?;
