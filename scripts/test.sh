@@ -28,6 +28,8 @@ timeout -k 30 1200 cargo test --workspace --locked || {
 step "benchmarks, quick mode (debug build; figures here are not the documented ones)"
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-relay --bench store --bench decode
 cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000
+# The relay end to end (mock engine, kv-relay process from the build step, subscribers): ~1 min.
+KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 
 step "systemd unit"
 ./scripts/check-systemd.sh

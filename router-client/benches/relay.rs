@@ -1,0 +1,973 @@
+//! The relay end to end: sustained ingest, added latency, footprint and resync.
+//!
+//! The drills' mock engine (vLLM 0.32 wire, 2 DP ranks, replay sockets) publishes a realistic mix: the
+//! Mooncake conversation trace served by each rank's prefix-cache simulator (stores of the
+//! uncached suffix, one removal per evicted block once the cache is full). `kv-relay` runs as a
+//! separate process (so its RSS and CPU are its own), and subscribers in this process follow it
+//! with `kv-router-client`'s admission and prefix index (the calls the follower makes for each
+//! message). A direct ZeroMQ subscriber decodes and normalizes the same stream in the same run:
+//! the peer for the latency ratio.
+//!
+//! Run (release; build the relay binary first):
+//! ```text
+//! cargo build --release --locked -p kv-relay --bins
+//! cargo bench --locked -p kv-router-client --bench relay                 # full, ~15 min here
+//! KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay   # CI: seconds
+//! ```
+//! Environment: `KV_RELAY_BIN` (the relay binary; default `target/release/kv-relay`, or
+//! `target/debug/kv-relay` in quick mode), `KV_RELAY_BENCH_DIR` (where state directories go),
+//! `KV_RELAY_BENCH_RUNS` (repetitions of each latency window and resync, default 3),
+//! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace),
+//! `KV_RELAY_BENCH_ONLY` (comma list of `ingest,latency,footprint` to run a part).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use kv_relay::normalize::Normalizer;
+use kv_relay::wire;
+use kv_relay_proto::pb;
+use kv_relay_proto::pb::relay_client::RelayClient;
+use kv_relay_testkit::client::Sub as ZmqSub;
+use kv_relay_testkit::drills::harness::{self, metric, status, RelayProc};
+use kv_relay_testkit::engine::MockEngine;
+use kv_relay_testkit::traffic::{mooncake_block_tokens, CacheSim, RandomSource, RequestSource};
+use kv_relay_testkit::wire::{BlockHash, Engine, EngineEvent, Stored, TokenIds};
+use kv_router_client::admission::{ClientEvent, RelayAdmission};
+use kv_router_client::index::{IndexConfig, PrefixIndex};
+
+const BLOCK_SIZE: u32 = 16;
+const DP: u32 = 2;
+
+struct Opts {
+    quick: bool,
+    runs: usize,
+    step: Duration,
+    /// GPU cache capacity per rank, in blocks.
+    cache_blocks: usize,
+    /// Live blocks for the footprint and snapshot-resync measurements.
+    fill_blocks: u64,
+    /// History batches for the catch-up measurement, and the relay's history bound there.
+    catchup_batches: u64,
+    history_batches: u64,
+    /// Batches per second offered in the latency measurement.
+    latency_rate: f64,
+    latency_window: Duration,
+    dir: PathBuf,
+    trace: Option<PathBuf>,
+    only: Vec<String>,
+}
+
+impl Opts {
+    fn from_env() -> Opts {
+        let quick = std::env::var("KV_RELAY_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+        let env_u = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
+        let trace = std::env::var("KV_RELAY_MOONCAKE").map(PathBuf::from).ok().or_else(|| {
+            let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mooncake/conversation_trace.jsonl");
+            p.exists().then_some(p)
+        });
+        Opts {
+            quick,
+            runs: env_u("KV_RELAY_BENCH_RUNS", if quick { 1 } else { 3 }) as usize,
+            step: Duration::from_millis(env_u("KV_RELAY_BENCH_STEP_MS", if quick { 800 } else { 6000 })),
+            cache_blocks: if quick { 512 } else { 8192 },
+            fill_blocks: if quick { 20_000 } else { 1_000_000 },
+            catchup_batches: if quick { 250 } else { 10_000 },
+            history_batches: if quick { 300 } else { 10_000 },
+            latency_rate: if quick { 200.0 } else { 10_000.0 },
+            latency_window: if quick { Duration::from_millis(800) } else { Duration::from_secs(5) },
+            dir: std::env::var("KV_RELAY_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| std::env::temp_dir()),
+            trace,
+            only: std::env::var("KV_RELAY_BENCH_ONLY")
+                .map(|s| s.split(',').map(|x| x.trim().to_string()).collect())
+                .unwrap_or_default(),
+        }
+    }
+
+    fn part(&self, name: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == name)
+    }
+}
+
+fn relay_binary(quick: bool) -> PathBuf {
+    if let Ok(p) = std::env::var("KV_RELAY_BIN") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    target.join(if quick { "debug/kv-relay" } else { "release/kv-relay" })
+}
+
+fn wall() -> f64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs_f64()).unwrap_or(0.0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// The workload: the Mooncake trace (looped with fresh ids each pass) through per-rank caches.
+
+struct Workload {
+    trace: Vec<Vec<u64>>,
+    random: Option<RandomSource>,
+    next: usize,
+    pass: u64,
+    sims: Vec<CacheSim>,
+    turn: u32,
+}
+
+impl Workload {
+    fn new(opts: &Opts) -> Workload {
+        let trace = opts
+            .trace
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(p).ok())
+            .map(|text| {
+                text.lines()
+                    .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+                    .map(|v| {
+                        v["hash_ids"]
+                            .as_array()
+                            .map(|a| a.iter().filter_map(|x| x.as_u64()).collect())
+                            .unwrap_or_default()
+                    })
+                    .filter(|ids: &Vec<u64>| !ids.is_empty())
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default();
+        let random = trace.is_empty().then(|| RandomSource::new(7, BLOCK_SIZE, 64));
+        let sims = (0..DP).map(|_| CacheSim::new(Engine::Vllm, BLOCK_SIZE, opts.cache_blocks)).collect();
+        Workload { trace, random, next: 0, pass: 0, sims, turn: 0 }
+    }
+
+    fn source(&self) -> &'static str {
+        if self.random.is_some() {
+            "random prompts (no Mooncake trace found)"
+        } else {
+            "Mooncake conversation trace"
+        }
+    }
+
+    fn request(&mut self) -> Vec<Vec<u64>> {
+        if let Some(r) = &mut self.random {
+            return r.next_request().unwrap_or_default();
+        }
+        if self.next == self.trace.len() {
+            self.next = 0;
+            self.pass += 1;
+        }
+        let ids = &self.trace[self.next];
+        self.next += 1;
+        let off = self.pass << 40;
+        ids.iter().map(|&id| mooncake_block_tokens(id + off, BLOCK_SIZE)).collect()
+    }
+
+    /// The next batch: (rank, events, block operations).
+    fn batch(&mut self) -> (u32, Vec<EngineEvent>, u64) {
+        loop {
+            let rank = self.turn % DP;
+            self.turn += 1;
+            let blocks = self.request();
+            let events = self.sims[rank as usize].serve(&blocks);
+            if !events.is_empty() {
+                let ops = events.iter().map(block_ops).sum();
+                return (rank, events, ops);
+            }
+        }
+    }
+}
+
+fn block_ops(e: &EngineEvent) -> u64 {
+    match e {
+        EngineEvent::Stored(s) => s.hashes.len() as u64,
+        EngineEvent::Removed(r) => r.hashes.len() as u64,
+        EngineEvent::Cleared => 0,
+    }
+}
+
+/// A publisher thread at an adjustable rate, fed by a generator thread.
+struct Publisher {
+    /// Offered batches per second (0: paused).
+    rate: Arc<Mutex<f64>>,
+    published: Arc<AtomicU64>,
+    ops: Arc<AtomicU64>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+type Item = (u32, Vec<EngineEvent>, u64);
+
+impl Publisher {
+    fn start(engine: Arc<MockEngine>, mut work: Workload) -> Publisher {
+        let rate = Arc::new(Mutex::new(0.0f64));
+        let published = Arc::new(AtomicU64::new(0));
+        let ops = Arc::new(AtomicU64::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = std::sync::mpsc::sync_channel::<Item>(4096);
+        let gen = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if tx.send(work.batch()).is_err() {
+                        return;
+                    }
+                }
+            })
+        };
+        let publ = {
+            let (rate, published, ops, stop) = (rate.clone(), published.clone(), ops.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let (mut cur, mut since, mut n) = (0.0f64, Instant::now(), 0u64);
+                while !stop.load(Ordering::Relaxed) {
+                    let r = *rate.lock().expect("rate");
+                    if r != cur {
+                        (cur, since, n) = (r, Instant::now(), 0);
+                    }
+                    if cur <= 0.0 {
+                        std::thread::sleep(Duration::from_millis(2));
+                        continue;
+                    }
+                    let due = since + Duration::from_secs_f64(n as f64 / cur);
+                    let now = Instant::now();
+                    if due > now {
+                        std::thread::sleep((due - now).min(Duration::from_millis(5)));
+                        continue;
+                    }
+                    let Ok((rank, events, k)) = rx.recv() else { return };
+                    engine.publish(rank, events).expect("publish");
+                    n += 1;
+                    published.fetch_add(1, Ordering::Relaxed);
+                    ops.fetch_add(k, Ordering::Relaxed);
+                }
+            })
+        };
+        Publisher { rate, published, ops, stop, threads: vec![gen, publ] }
+    }
+
+    fn set_rate(&self, r: f64) {
+        *self.rate.lock().expect("rate") = r;
+    }
+
+    fn published(&self) -> u64 {
+        self.published.load(Ordering::Relaxed)
+    }
+}
+
+impl Drop for Publisher {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            // The generator may be blocked on a full channel: the publisher's exit drops the receiver.
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Subscribers: the router client's admission and prefix index, fed by a Subscribe stream.
+
+#[derive(Default)]
+struct SubShared {
+    cursor: AtomicU64,
+    batches: AtomicU64,
+    snapshots: AtomicU64,
+    record: AtomicBool,
+    /// Engine publish → applied, ms.
+    latencies: Mutex<Vec<f32>>,
+    errors: Mutex<Vec<String>>,
+}
+
+struct SubState {
+    admission: RelayAdmission,
+    index: PrefixIndex,
+}
+
+struct Sub {
+    shared: Arc<SubShared>,
+    stop: tokio::sync::watch::Sender<bool>,
+    task: tokio::task::JoinHandle<SubState>,
+}
+
+impl Sub {
+    fn start(rt: &tokio::runtime::Handle, url: &str, state: Option<SubState>) -> Sub {
+        let shared = Arc::new(SubShared::default());
+        let state = state.unwrap_or_else(|| SubState {
+            admission: RelayAdmission::new(url.to_string()),
+            index: PrefixIndex::new(IndexConfig::default()),
+        });
+        shared.cursor.store(state.admission.position().cursor, Ordering::Relaxed);
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let task = rt.spawn(follow(url.to_string(), state, shared.clone(), stopped));
+        Sub { shared, stop, task }
+    }
+
+    fn cursor(&self) -> u64 {
+        self.shared.cursor.load(Ordering::Relaxed)
+    }
+
+    fn finish(self, rt: &tokio::runtime::Runtime) -> SubState {
+        let _ = self.stop.send(true);
+        rt.block_on(self.task).expect("subscriber task")
+    }
+}
+
+async fn follow(
+    url: String,
+    mut st: SubState,
+    sh: Arc<SubShared>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) -> SubState {
+    loop {
+        if *stop.borrow() {
+            return st;
+        }
+        if let Err(e) = session(&url, &mut st, &sh, &mut stop).await {
+            sh.errors.lock().expect("errors").push(e);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+async fn session(
+    url: &str,
+    st: &mut SubState,
+    sh: &SubShared,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+) -> Result<(), String> {
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut client = RelayClient::new(ch).max_decoding_message_size(64 << 20);
+    let s = client.status(pb::StatusRequest {}).await.map_err(|e| e.to_string())?;
+    st.admission.apply_status(s.get_ref(), &st.index);
+    let req = st.admission.subscribe_request(true);
+    let mut stream = client.subscribe(req).await.map_err(|e| e.to_string())?.into_inner();
+    let mut events: Vec<ClientEvent> = Vec::new();
+    loop {
+        let msg = tokio::select! {
+            biased;
+            _ = stop.changed() => return Ok(()),
+            m = stream.message() => m.map_err(|e| e.to_string())?.ok_or("stream ended")?,
+        };
+        let ts = match &msg.message {
+            Some(pb::subscribe_response::Message::Batch(b)) => Some(b.engine_ts),
+            _ => None,
+        };
+        let verdict = st.admission.apply(msg, &st.index, tokio::time::Instant::now(), &mut events);
+        if let Some(ts) = ts {
+            if sh.record.load(Ordering::Relaxed) {
+                let ms = ((wall() - ts) * 1000.0) as f32;
+                sh.latencies.lock().expect("latencies").push(ms);
+            }
+            sh.batches.fetch_add(1, Ordering::Relaxed);
+        }
+        for e in events.drain(..) {
+            if let ClientEvent::SnapshotApplied { .. } = e {
+                sh.snapshots.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        sh.cursor.store(st.admission.position().cursor, Ordering::Relaxed);
+        if let kv_router_client::Verdict::Resume(why) = verdict {
+            return Err(why);
+        }
+    }
+}
+
+/// The peer: a ZeroMQ SUB on every rank that decodes and normalizes each batch.
+struct Direct {
+    record: Arc<AtomicBool>,
+    latencies: Arc<Mutex<Vec<f32>>>,
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Direct {
+    fn start(engine: &MockEngine) -> Direct {
+        let record = Arc::new(AtomicBool::new(false));
+        let latencies = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for ep in engine.endpoints() {
+            let sock = ZmqSub::connect(engine.context(), &ep.publisher).expect("SUB");
+            let (record, latencies, stop) = (record.clone(), latencies.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut norm = Normalizer::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let Some(m) = sock.recv_raw(Duration::from_millis(50)) else { continue };
+                    let refs: Vec<&[u8]> = m.frames.iter().map(Vec::as_slice).collect();
+                    let Ok(f) = wire::split_pub(&refs) else { continue };
+                    let seq = f.seq;
+                    let Ok(raw) = wire::decode_batch(f.payload) else { continue };
+                    let ts = raw.ts;
+                    let n = norm.normalize(raw.dp_rank.unwrap_or(ep.rank), seq, raw);
+                    std::hint::black_box(&n);
+                    if record.load(Ordering::Relaxed) {
+                        latencies.lock().expect("latencies").push(((wall() - ts) * 1000.0) as f32);
+                    }
+                }
+            }));
+        }
+        Direct { record, latencies, stop, threads }
+    }
+}
+
+impl Drop for Direct {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The relay process, the engine, measurements.
+
+struct Setup {
+    engine: Arc<MockEngine>,
+    relay: RelayProc,
+    _dir: tempfile::TempDir,
+}
+
+fn setup(opts: &Opts, cores: Option<&str>, extra: &[&str]) -> Setup {
+    // vLLM 0.32 wire, replay sockets, `/metrics` scraped by the relay; 10,000 batches buffered.
+    let engine = harness::engine(DP, 10_000);
+    let dir = tempfile::Builder::new().prefix("kv-relay-bench").tempdir_in(&opts.dir).expect("state dir");
+    let state = dir.path().join("state");
+    let log = dir.path().join("relay.log");
+    let mut args = vec!["--server-rate-per-second", "1000", "--server-rate-burst", "1000"];
+    args.extend_from_slice(extra);
+    let relay = RelayProc::start(&engine, &state, &log, &args);
+    if let Some(c) = cores {
+        pin(relay.pid().expect("pid"), c);
+    }
+    Setup { engine, relay, _dir: dir }
+}
+
+/// Sets the CPU affinity of every thread of `pid` (`taskset -a -p -c`).
+fn pin(pid: u32, cores: &str) {
+    let ok = std::process::Command::new("taskset")
+        .args(["-a", "-p", "-c", cores, &pid.to_string()])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "taskset -a -p -c {cores} {pid} failed");
+}
+
+/// utime + stime of a process, in seconds.
+fn cpu_seconds(pid: u32) -> f64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let after = s.rsplit_once(')').map(|x| x.1).unwrap_or("");
+    let f: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // After the command: state is field 0, utime 11, stime 12. Clock ticks are 100 per second on Linux.
+    (ticks(11) + ticks(12)) / 100.0
+}
+
+fn dir_bytes(p: &Path) -> u64 {
+    let mut n = 0;
+    if let Ok(rd) = std::fs::read_dir(p) {
+        for e in rd.flatten() {
+            let Ok(m) = e.metadata() else { continue };
+            n += if m.is_dir() { dir_bytes(&e.path()) } else { m.len() };
+        }
+    }
+    n
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+fn pct(v: &mut [f32], p: f64) -> f64 {
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f32::total_cmp);
+    f64::from(v[((v.len() as f64 * p) as usize).min(v.len() - 1)])
+}
+
+/// The relay's newest cursor and the engine's last seq per rank it has committed.
+fn relay_position(url: &str) -> (u64, Vec<u64>) {
+    match status(url) {
+        Ok(s) => (s.newest_cursor, s.ranks.iter().map(|r| r.last_engine_seq).collect()),
+        Err(_) => (0, vec![]),
+    }
+}
+
+/// Waits until every subscriber has applied everything published; the time it took, or None.
+fn drain(pubr: &Publisher, subs: &[Sub], limit: Duration) -> Option<Duration> {
+    let target = pubr.published();
+    let t = Instant::now();
+    loop {
+        if subs.iter().all(|s| s.shared.batches.load(Ordering::Relaxed) >= target) {
+            return Some(t.elapsed());
+        }
+        if t.elapsed() > limit {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn min_applied(subs: &[Sub]) -> u64 {
+    subs.iter().map(|s| s.shared.batches.load(Ordering::Relaxed)).min().unwrap_or(0)
+}
+
+struct Step {
+    offered: f64,
+    batches_s: f64,
+    ops_s: f64,
+    backlog_mid: u64,
+    backlog_end: u64,
+    drain: Option<Duration>,
+    relay_cpu: f64,
+    stable: bool,
+}
+
+fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration) -> Step {
+    let pid = s.relay.pid().expect("pid");
+    let (p0, o0, c0, t0) = (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), Instant::now());
+    pubr.set_rate(rate);
+    std::thread::sleep(len / 2);
+    let backlog_mid = pubr.published().saturating_sub(min_applied(subs));
+    std::thread::sleep(len / 2);
+    let (p1, o1, c1, el) = (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), t0.elapsed());
+    let backlog_end = p1.saturating_sub(min_applied(subs));
+    pubr.set_rate(0.0);
+    let d = drain(pubr, subs, Duration::from_secs(60));
+    let secs = el.as_secs_f64();
+    let batches_s = (p1 - p0) as f64 / secs;
+    // Stable: the engine published what was offered, the backlog did not grow from the middle of
+    // the step to its end (beyond a quarter second of batches), and it drained within a second.
+    let stable = batches_s >= 0.93 * rate
+        && backlog_end <= backlog_mid + (rate / 4.0) as u64
+        && d.is_some_and(|d| d < Duration::from_secs(1));
+    Step {
+        offered: rate,
+        batches_s,
+        ops_s: (o1 - o0) as f64 / secs,
+        backlog_mid,
+        backlog_end,
+        drain: d,
+        relay_cpu: (c1 - c0) / secs,
+        stable,
+    }
+}
+
+fn print_step(st: &Step) {
+    println!(
+        "  offered {:>7.0} b/s  published {:>7.0} b/s  {:>8.0} ops/s  backlog mid {:>6} end {:>6}  drain {:>8}  relay cpu {:>4.2}  cpu/1k b/s {:>5.3}  {}",
+        st.offered,
+        st.batches_s,
+        st.ops_s,
+        st.backlog_mid,
+        st.backlog_end,
+        st.drain.map_or("none".to_string(), |d| format!("{:.0}ms", d.as_secs_f64() * 1000.0)),
+        st.relay_cpu,
+        st.relay_cpu / (st.batches_s / 1000.0),
+        if st.stable { "stable" } else { "LAG GROWS" }
+    );
+}
+
+/// Steps the offered rate up (x1.4) until lag grows, then once between the last stable and the
+/// first unstable rate. Returns the highest stable step.
+fn search(opts: &Opts, s: &Setup, pubr: &Publisher, subs: &[Sub]) -> Option<Step> {
+    let mut best: Option<Step> = None;
+    let mut rate = if opts.quick { 100.0 } else { 200.0 };
+    let max_steps = if opts.quick { 2 } else { 14 };
+    let mut failed = None;
+    for _ in 0..max_steps {
+        let st = run_step(s, pubr, subs, rate, opts.step);
+        print_step(&st);
+        if !st.stable {
+            failed = Some(rate);
+            break;
+        }
+        best = Some(st);
+        rate *= 1.4;
+    }
+    if let (Some(hi), Some(lo)) = (failed, best.as_ref().map(|b| b.offered)) {
+        let mid = (hi * lo).sqrt();
+        let st = run_step(s, pubr, subs, mid, opts.step);
+        print_step(&st);
+        if st.stable {
+            best = Some(st);
+        }
+    }
+    best
+}
+
+fn ingest(opts: &Opts, rt: &tokio::runtime::Runtime, cores: Option<&str>, nsubs: usize) -> Option<Step> {
+    let s = setup(opts, cores, &[]);
+    if cores.is_some() {
+        // This process (engine, subscribers) on the other core.
+        pin(std::process::id(), "1");
+    }
+    let url = s.relay.url();
+    let subs: Vec<Sub> = (0..nsubs).map(|_| Sub::start(rt.handle(), &url, None)).collect();
+    let pubr = Publisher::start(s.engine.clone(), Workload::new(opts));
+    // Warm up: fill the caches so removals flow too.
+    let warm = if opts.quick { 400.0 } else { 2.0 * opts.cache_blocks as f64 * f64::from(DP) / 8.0 };
+    pubr.set_rate(if opts.quick { 400.0 } else { 600.0 });
+    while (pubr.published() as f64) < warm {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pubr.set_rate(0.0);
+    drain(&pubr, &subs, Duration::from_secs(60));
+    println!(
+        "ingest: relay on {}, {} subscriber(s), load average {}",
+        cores.map_or("both cores".to_string(), |c| format!("core {c}, this process on core 1")),
+        nsubs,
+        loadavg()
+    );
+    let best = search(opts, &s, &pubr, &subs);
+    commit_breakdown(&s);
+    if cores.is_some() {
+        pin(std::process::id(), "0,1");
+    }
+    drop(pubr);
+    for sub in subs {
+        sub.finish(rt);
+    }
+    best
+}
+
+/// Where the relay's time went: its commit histograms against its CPU time so far.
+fn commit_breakdown(s: &Setup) {
+    let m = s.relay.metrics_text();
+    let get = |n: &str| metric(&m, n, &[]).unwrap_or(f64::NAN);
+    let (secs, n, records) = (
+        get("kv_relay_commit_seconds_sum"),
+        get("kv_relay_commit_seconds_count"),
+        get("kv_relay_commit_group_records_sum"),
+    );
+    let cpu = cpu_seconds(s.relay.pid().expect("pid"));
+    println!(
+        "  relay so far: {n:.0} commits of {:.1} records on average, {:.2} ms each ({:.3} ms per record); {secs:.1} s in commits, {cpu:.1} s of CPU",
+        records / n,
+        secs / n * 1000.0,
+        secs / records * 1000.0,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+
+fn main() {
+    // `cargo test --bench relay` passes libtest flags; there is nothing to filter.
+    let opts = Opts::from_env();
+    let bin = relay_binary(opts.quick);
+    assert!(bin.exists(), "{} not found: build it (cargo build --release --locked -p kv-relay --bins)", bin.display());
+    std::env::set_var("KV_RELAY_BIN", &bin);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    println!(
+        "kv-relay end to end ({} mode): relay {}, workload {}, load average {}",
+        if opts.quick { "quick" } else { "full" },
+        bin.display(),
+        Workload::new(&opts).source(),
+        loadavg()
+    );
+
+    let mut table: Vec<(String, String)> = Vec::new();
+    if opts.part("ingest") {
+        let configs: &[(Option<&str>, usize)] =
+            if opts.quick { &[(None, 1), (None, 8)] } else { &[(None, 1), (None, 8), (Some("0"), 1), (Some("0"), 8)] };
+        for &(cores, nsubs) in configs {
+            let label = format!("{}, {} subscriber(s)", cores.map_or("2 cores", |_| "1 core"), nsubs);
+            match ingest(&opts, &rt, cores, nsubs) {
+                Some(b) => {
+                    println!("  => highest stable: {:.0} batches/s, {:.0} block ops/s", b.batches_s, b.ops_s);
+                    table.push((
+                        format!("sustained ingest, {label}"),
+                        format!(
+                            "{:.0} block ops/s ({:.0} batches/s, {:.1} ops/batch), relay CPU {:.2} cores",
+                            b.ops_s,
+                            b.batches_s,
+                            b.ops_s / b.batches_s,
+                            b.relay_cpu
+                        ),
+                    ));
+                }
+                None => table.push((format!("sustained ingest, {label}"), "no stable step".into())),
+            }
+        }
+    }
+    if opts.part("latency") || opts.part("footprint") {
+        footprint_latency_resync(&opts, &rt, &mut table);
+    }
+    println!("\nsummary (load average {}):", loadavg());
+    for (k, v) in &table {
+        println!("  {k}: {v}");
+    }
+}
+
+fn latency_window(s: &Setup, pubr: &Publisher, sub: &Sub, direct: &Direct, rate: f64, window: Duration) -> [f64; 8] {
+    sub.shared.latencies.lock().expect("l").clear();
+    direct.latencies.lock().expect("l").clear();
+    let (p0, c0, t0) = (pubr.published(), cpu_seconds(s.relay.pid().expect("pid")), Instant::now());
+    pubr.set_rate(rate);
+    std::thread::sleep(Duration::from_millis(300));
+    sub.shared.record.store(true, Ordering::Relaxed);
+    direct.record.store(true, Ordering::Relaxed);
+    std::thread::sleep(window);
+    sub.shared.record.store(false, Ordering::Relaxed);
+    direct.record.store(false, Ordering::Relaxed);
+    let (p1, c1, el) = (pubr.published(), cpu_seconds(s.relay.pid().expect("pid")), t0.elapsed().as_secs_f64());
+    pubr.set_rate(0.0);
+    drain(pubr, std::slice::from_ref(sub), Duration::from_secs(120));
+    let mut r = std::mem::take(&mut *sub.shared.latencies.lock().expect("l"));
+    let mut d = std::mem::take(&mut *direct.latencies.lock().expect("l"));
+    let achieved = (p1 - p0) as f64 / el;
+    [
+        pct(&mut r, 0.5),
+        pct(&mut r, 0.99),
+        pct(&mut r, 0.999),
+        pct(&mut d, 0.5),
+        pct(&mut d, 0.99),
+        pct(&mut d, 0.999),
+        achieved,
+        (c1 - c0) / el,
+    ]
+}
+
+fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Vec<(String, String)>) {
+    // The history holds the catch-up and no more, so that a new subscriber takes the snapshot path.
+    let history = opts.history_batches.to_string();
+    let s = setup(opts, None, &["--history-batches", &history]);
+    let url = s.relay.url();
+    let pid = s.relay.pid().expect("pid");
+    std::thread::sleep(Duration::from_millis(500));
+    let rss_idle = s.relay.rss_kib().unwrap_or(0);
+    println!("footprint: relay RSS idle {:.1} MiB (load average {})", rss_idle as f64 / 1024.0, loadavg());
+    table.push(("RSS idle".into(), format!("{:.1} MiB", rss_idle as f64 / 1024.0)));
+
+    let direct = Direct::start(&s.engine);
+    let sub = Sub::start(rt.handle(), &url, None);
+    let pubr = Publisher::start(s.engine.clone(), Workload::new(opts));
+    std::thread::sleep(Duration::from_millis(300));
+
+    let mut catchup_rate = if opts.quick { 500.0 } else { 300.0 };
+    if opts.part("latency") {
+        // Warm the caches, then find the highest stable rate with one subscriber (short steps).
+        pubr.set_rate(300.0);
+        std::thread::sleep(Duration::from_secs(if opts.quick { 1 } else { 4 }));
+        pubr.set_rate(0.0);
+        drain(&pubr, std::slice::from_ref(&sub), Duration::from_secs(60));
+        let mut rates = vec![opts.latency_rate];
+        let sustainable = if opts.quick {
+            None
+        } else {
+            search(opts, &s, &pubr, std::slice::from_ref(&sub)).map(|b| (b.batches_s / 50.0).floor() * 50.0)
+        };
+        if let Some(r) = sustainable {
+            catchup_rate = (0.8 * r).max(100.0);
+            if r < opts.latency_rate {
+                rates.push(r);
+                rates.push((r / 2.0).max(50.0));
+            }
+        }
+        for rate in rates {
+            // Above the sustainable rate the backlog grows all along: a shorter window.
+            let window =
+                if sustainable.is_some_and(|r| rate > r) { Duration::from_secs(2) } else { opts.latency_window };
+            let mut rows: Vec<[f64; 8]> = Vec::new();
+            for _ in 0..opts.runs {
+                let w = latency_window(&s, &pubr, &sub, &direct, rate, window);
+                println!(
+                    "latency at {rate:.0} b/s offered ({:.0} published): relay p50 {:.2} p99 {:.2} p99.9 {:.2} ms; direct p50 {:.3} p99 {:.3} p99.9 {:.3} ms; relay cpu {:.2}",
+                    w[6], w[0], w[1], w[2], w[3], w[4], w[5], w[7]
+                );
+                rows.push(w);
+            }
+            let m = |i: usize| median(&mut rows.iter().map(|r| r[i]).collect::<Vec<_>>());
+            let ratio = |a: usize, b: usize| median(&mut rows.iter().map(|r| r[a] / r[b]).collect::<Vec<_>>());
+            table.push((
+                format!("added latency at {rate:.0} batches/s offered ({:.0} published), median of {}", m(6), opts.runs),
+                format!(
+                    "relay path p50 {:.2} / p99 {:.2} / p99.9 {:.2} ms; direct p50 {:.3} / p99 {:.3} / p99.9 {:.3} ms; ratio {:.0}x / {:.0}x / {:.0}x; relay CPU per 1,000 batches/s {:.3} cores",
+                    m(0), m(1), m(2), m(3), m(4), m(5), ratio(0, 3), ratio(1, 4), ratio(2, 5),
+                    m(7) / (m(6) / 1000.0)
+                ),
+            ));
+        }
+    }
+
+    if !opts.part("footprint") {
+        return;
+    }
+    // Catch-up: a subscriber leaves, the history grows by N batches, it comes back.
+    let sub_state = sub.finish(rt);
+    let mut catchups = Vec::new();
+    let mut held = Some(sub_state);
+    let mut sub_again = None;
+    for run in 0..opts.runs {
+        let target = pubr.published() + opts.catchup_batches;
+        pubr.set_rate(catchup_rate);
+        while pubr.published() < target {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        pubr.set_rate(0.0);
+        // Wait until the relay has committed them all.
+        let want: u64 = target;
+        let ok = harness_wait(Duration::from_secs(300), || {
+            let (_, seqs) = relay_position(&url);
+            seqs.iter().map(|s| s + 1).sum::<u64>() >= want
+        });
+        assert!(ok, "the relay never committed the catch-up batches");
+        let (newest, _) = relay_position(&url);
+        let st = match (held.take(), sub_again.take()) {
+            (Some(st), _) => st,
+            (None, Some(s)) => Sub::finish(s, rt),
+            _ => unreachable!(),
+        };
+        let from = st.admission.position().cursor;
+        let t = Instant::now();
+        let sub2 = Sub::start(rt.handle(), &url, Some(st));
+        let ok = harness_wait(Duration::from_secs(300), || sub2.cursor() >= newest);
+        assert!(ok, "the subscriber never caught up to {newest}: {:?}", sub2.shared.errors.lock().expect("e"));
+        let took = t.elapsed();
+        println!(
+            "catch-up {}: {} records of history (cursor {from} -> {newest}) in {:.0} ms, snapshots {}",
+            run + 1,
+            newest - from,
+            took.as_secs_f64() * 1000.0,
+            sub2.shared.snapshots.load(Ordering::Relaxed)
+        );
+        catchups.push(took.as_secs_f64() * 1000.0);
+        // Leave it stopped for the next run.
+        held = Some(sub2.finish(rt));
+    }
+    let (hist_rss, hist) = (s.relay.rss_kib().unwrap_or(0), status(&url).map(|x| (x.history_records, x.history_bytes)));
+    let live_cache = metric(&s.relay.metrics_text(), "kv_relay_live_blocks", &[]).unwrap_or(0.0);
+    println!("history: {:?} (records, bytes), live blocks {live_cache}, RSS {:.1} MiB", hist, hist_rss as f64 / 1024.0);
+    table.push((
+        format!("catch-up of {} batches of history (median of {})", opts.catchup_batches, opts.runs),
+        format!("{:.0} ms", median(&mut catchups)),
+    ));
+    table.push((
+        "RSS with a full history".into(),
+        format!(
+            "{:.1} MiB ({} records, {:.1} MiB of history, {live_cache:.0} live blocks)",
+            hist_rss as f64 / 1024.0,
+            hist.as_ref().map_or(0, |h| h.0),
+            hist.as_ref().map_or(0, |h| h.1) as f64 / (1 << 20) as f64
+        ),
+    ));
+    drop(held);
+    drop(pubr);
+
+    // Fill: fresh chained prefixes of 128 blocks, alternating ranks, until fill_blocks are live.
+    let t = Instant::now();
+    let c0 = cpu_seconds(pid);
+    let per = 128u64;
+    let total = opts.fill_blocks;
+    let mut next_hash = 1u64 << 62;
+    let mut sent = 0u64;
+    let mut published = 0u64;
+    let base_seq: u64 = (0..DP).map(|r| s.engine.stats(r).map(|x| x.next_seq).unwrap_or(0)).sum();
+    while sent < total {
+        let rank = (published % u64::from(DP)) as u32;
+        let n = per.min(total - sent);
+        let hashes: Vec<BlockHash> = (0..n).map(|i| BlockHash::U64(next_hash + i)).collect();
+        next_hash += n;
+        let tokens: Vec<u64> = (0..n * u64::from(BLOCK_SIZE)).map(|i| 1 + (next_hash ^ i) % 32_000).collect();
+        let ev = EngineEvent::Stored(Stored {
+            hashes,
+            parent: None,
+            token_ids: TokenIds::Single(tokens),
+            block_size: BLOCK_SIZE,
+            medium: Some("GPU".into()),
+            group_idx: Some(0),
+            kind: Some("full_attention".into()),
+            ..Default::default()
+        });
+        s.engine.publish(rank, vec![ev]).expect("publish");
+        sent += n;
+        published += 1;
+        // Keep at most ~400 batches ahead of the relay.
+        if published % 100 == 0 {
+            harness_wait(Duration::from_secs(120), || {
+                let (_, seqs) = relay_position(&url);
+                seqs.iter().map(|s| s + 1).sum::<u64>() + 400 >= base_seq + published
+            });
+        }
+    }
+    harness_wait(Duration::from_secs(300), || {
+        let (_, seqs) = relay_position(&url);
+        seqs.iter().map(|s| s + 1).sum::<u64>() >= base_seq + published
+    });
+    let fill_secs = t.elapsed().as_secs_f64();
+    let fill_cpu = cpu_seconds(pid) - c0;
+    std::thread::sleep(Duration::from_secs(2)); // sled's background flush, the live gauges
+    let rss_full = s.relay.rss_kib().unwrap_or(0);
+    let live = metric(&s.relay.metrics_text(), "kv_relay_live_blocks", &[]).unwrap_or(0.0);
+    let disk = dir_bytes(&s.relay.state_dir.join("sled"));
+    println!(
+        "fill: {published} batches of {per} stores in {fill_secs:.1} s ({:.0} block ops/s, relay CPU {:.2} cores); live blocks {live}, RSS {:.1} MiB, sled {:.1} MiB ({:.0} B per live block); load average {}",
+        total as f64 / fill_secs,
+        fill_cpu / fill_secs,
+        rss_full as f64 / 1024.0,
+        disk as f64 / (1 << 20) as f64,
+        disk as f64 / live.max(1.0),
+        loadavg()
+    );
+    table.push((format!("RSS at {live:.0} live blocks"), format!("{:.1} MiB", rss_full as f64 / 1024.0)));
+    table.push((
+        "bytes on disk per live block (sled directory, history included)".into(),
+        format!("{:.0} ({:.1} MiB)", disk as f64 / live.max(1.0), disk as f64 / (1 << 20) as f64),
+    ));
+    table.push((
+        format!("fill, {per} stores per batch"),
+        format!("{:.0} block ops/s, relay CPU {:.2} cores", total as f64 / fill_secs, fill_cpu / fill_secs),
+    ));
+
+    // Resync: a new subscriber rebuilds its index through the snapshot path.
+    let (newest, _) = relay_position(&url);
+    let mut resyncs = Vec::new();
+    for run in 0..opts.runs {
+        let t = Instant::now();
+        let sub = Sub::start(rt.handle(), &url, None);
+        let ok = harness_wait(Duration::from_secs(600), || sub.cursor() >= newest);
+        assert!(ok, "the new subscriber never reached cursor {newest}: {:?}", sub.shared.errors.lock().expect("e"));
+        let took = t.elapsed();
+        let snaps = sub.shared.snapshots.load(Ordering::Relaxed);
+        let st = sub.finish(rt);
+        let blocks = st.index.stats().blocks;
+        println!(
+            "snapshot resync {}: {blocks} blocks indexed at cursor {} in {:.0} ms, snapshots {snaps} (relay RSS {:.1} MiB)",
+            run + 1,
+            st.admission.position().cursor,
+            took.as_secs_f64() * 1000.0,
+            s.relay.rss_kib().unwrap_or(0) as f64 / 1024.0
+        );
+        resyncs.push(took.as_secs_f64() * 1000.0);
+    }
+    table.push((
+        format!("resync through the snapshot, {live:.0} live blocks (median of {})", opts.runs),
+        format!("{:.0} ms", median(&mut resyncs)),
+    ));
+    drop(direct);
+}
+
+fn harness_wait(limit: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < limit {
+        if f() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    false
+}
