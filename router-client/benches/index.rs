@@ -1,17 +1,50 @@
-//! Prefix index benchmark: block ops/s, lookup latency and memory per block, for the index and
-//! for the naive reference measured in the same run (printed as ratios).
+//! Prefix index benchmark on the Mooncake traces: sustained block operations per second, lookup
+//! latency at that load, and memory per indexed block, for `kv-router-client`'s index and, in
+//! the same run, its peers: with `--features dynamo-bench`, NVIDIA Dynamo's
+//! `ConcurrentRadixTreeCompressed` (behind its `ThreadPoolIndexer`, Dynamo's default) and its
+//! `RadixTree` (`dynamo-kv-router` 1.6.1); without the feature, the naive reference index.
 //!
-//! Run: `cargo bench -p kv-router-client --bench index` (release). Optional arguments:
-//! `--blocks N` (default 1,000,000), `--lookups N` (default 20,000), and `--index-only` (for
-//! profiling the index alone).
+//! ```text
+//! cargo bench -p kv-router-client --bench index --features dynamo-bench            # full, docs
+//! cargo test -p kv-router-client --bench index -- --blocks 20000 --lookups 2000    # CI: seconds
+//! ```
 //!
-//! Peers implement [`Peer`]. The reference is a `BTreeMap` behind a mutex. NVIDIA Dynamo's
-//! radix tree (`dynamo-kv-router`) goes in as another `Peer` behind a cargo feature: see the
-//! `// DYNAMO PEER` marker below.
+//! Options: `--workers 8,128`, `--runs N` (3; medians are printed), `--threads N` (writer
+//! threads, 1), `--capacity N` (blocks per worker, 4096), `--copies N` (trace copies; default
+//! workers / 2, at least 4), `--blocks N` (stop the workload after N stored blocks; 0 = the
+//! whole trace), `--lookups N` (distinct lookup requests, 20,000), `--trace FILE` (default
+//! `$KV_ROUTER_MOONCAKE`, else `../shared/data/mooncake/conversation_trace.jsonl`; a synthetic
+//! trace of the same shape when absent), `--reference` (add the reference with Dynamo on),
+//! `--only NAME`.
+//!
+//! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
+//! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
+//! `i` follows copy `c - 1`), each id mapped to a uniform 64-bit hash. A KV-aware router places
+//! each request on the worker with the lowest cost = blocks to prefill (the request's blocks
+//! minus the worker's cached prefix) + the blocks of the worker's requests among the last
+//! `2 x workers` placed (its running load), ties broken round-robin: Dynamo's default cost
+//! with overlap weight 1. Each worker is an LRU cache of `capacity` blocks: a request touches
+//! its blocks, the blocks it lacks (a suffix: the cache stays prefix-closed) are one `stored`
+//! event (parent = the last cached block), and the least-recently-used blocks beyond capacity
+//! (deepest first among equals, as engines evict leaves first) are one `removed` event.
+//!
+//! **Measures.** Sustained block ops/s: the whole event stream applied as fast as possible
+//! by `--threads` writer threads (events of a worker stay on one thread, in order) while one
+//! more thread looks up trace requests back to back, timing each: lookup p50 / p99 are at that
+//! load. Dynamo's thread-pool indexer gets the same number of apply threads (its own); the
+//! bench thread only enqueues prebuilt events (with a flush every 4,096, so queues stay short).
+//! Dynamo's `RadixTree` is single-threaded (`Rc` nodes, no concurrent reads): its one thread
+//! applies the events and does one lookup every 8 events; ops/s counts only the apply time.
+//! Memory: the allocator's live bytes after the stream, minus before the peer was built
+//! (events a peer consumes are freed by then). Per distinct block (live hashes held by any
+//! worker) and per (worker, block) pair, both from the simulation's final state.
 
 use std::alloc::System;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hint::black_box;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use cap::Cap;
@@ -21,277 +54,594 @@ use kv_router_client::index::{IndexConfig, LookupResult, PrefixIndex, TierId, Wo
 #[global_allocator]
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
 
-/// What the benchmark needs from an index.
-trait Peer: Send + Sync {
-    fn name(&self) -> &'static str;
-    fn store(&self, worker: u32, tier: TierId, hashes: &[u64]);
-    fn remove(&self, worker: u32, tier: TierId, hashes: &[u64]);
-    /// Returns something derived from the answer, so the lookup is not optimised away.
+/// One KV event of one worker.
+#[derive(Clone, Debug)]
+enum Op {
+    Store {
+        worker: u32,
+        /// The block before the first stored one (Dynamo's trees link to it).
+        #[cfg_attr(not(feature = "dynamo-bench"), allow(dead_code))]
+        parent: Option<u64>,
+        hashes: Vec<u64>,
+    },
+    Remove {
+        worker: u32,
+        hashes: Vec<u64>,
+    },
+}
+
+impl Op {
+    fn worker(&self) -> u32 {
+        match self {
+            Op::Store { worker, .. } | Op::Remove { worker, .. } => *worker,
+        }
+    }
+}
+
+/// The events of one simulated fleet, and what is indexed at the end.
+struct Workload {
+    workers: u32,
+    requests: usize,
+    ops: Vec<Op>,
+    block_ops: usize,
+    stores: usize,
+    hits: usize,
+    lookups: Vec<Vec<u64>>,
+    /// Live hashes held by at least one worker at the end.
+    distinct: usize,
+    /// Live (worker, hash) pairs at the end.
+    pairs: usize,
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Reads the trace's `hash_ids`, or makes a synthetic trace of the same shape (every request
+/// starts with a shared block; conversations grow turn by turn) when the file is absent.
+fn read_trace(path: Option<&PathBuf>, max_blocks: usize) -> (String, Vec<Vec<u64>>) {
+    if let Some(text) = path.and_then(|p| std::fs::read_to_string(p).ok()) {
+        let mut out = Vec::new();
+        let mut n = 0;
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(line).expect("a Mooncake trace line is JSON");
+            let ids: Vec<u64> =
+                v["hash_ids"].as_array().map(|a| a.iter().filter_map(|x| x.as_u64()).collect()).unwrap_or_default();
+            n += ids.len();
+            out.push(ids);
+            if max_blocks > 0 && n >= max_blocks {
+                break;
+            }
+        }
+        return (path.expect("read").display().to_string(), out);
+    }
+    let mut out: Vec<Vec<u64>> = Vec::new();
+    let mut next_id = 1u64;
+    let mut s = 7u64;
+    let mut n = 0;
+    while n < max_blocks.max(1) && out.len() < 12_000 {
+        s = splitmix(s);
+        let ids = if out.len() > 10 && s.is_multiple_of(3) {
+            // A later turn of an earlier conversation: its prompt plus a few new blocks.
+            let mut ids = out[out.len() - 1 - (s >> 8) as usize % 10.min(out.len())].clone();
+            ids.extend((0..1 + (s >> 20) % 4).map(|_| {
+                next_id += 1;
+                next_id
+            }));
+            ids
+        } else {
+            std::iter::once(0)
+                .chain((0..3 + (s >> 8) % 40).map(|_| {
+                    next_id += 1;
+                    next_id
+                }))
+                .collect()
+        };
+        n += ids.len();
+        out.push(ids);
+    }
+    ("synthetic (trace file not found)".into(), out)
+}
+
+/// One worker's LRU cache of blocks.
+#[derive(Default)]
+struct Lru {
+    /// hash -> (last use, depth)
+    at: HashMap<u64, (u64, u32)>,
+    /// (last use, deepest first, hash)
+    order: BTreeSet<(u64, std::cmp::Reverse<u32>, u64)>,
+}
+
+impl Lru {
+    fn touch(&mut self, hash: u64, now: u64, depth: u32) -> bool {
+        let hit = match self.at.insert(hash, (now, depth)) {
+            Some((t, d)) => {
+                self.order.remove(&(t, std::cmp::Reverse(d), hash));
+                true
+            }
+            None => false,
+        };
+        self.order.insert((now, std::cmp::Reverse(depth), hash));
+        hit
+    }
+    fn evict(&mut self) -> u64 {
+        let (_, _, h) = self.order.pop_first().expect("evict from a non-empty cache");
+        self.at.remove(&h);
+        h
+    }
+}
+
+fn simulate(
+    trace: &[Vec<u64>],
+    workers: u32,
+    copies: u32,
+    capacity: usize,
+    max_blocks: usize,
+    lookups: usize,
+) -> Workload {
+    assert!((1..=128).contains(&workers), "the simulation tracks holders in a u128");
+    let hash = |copy: u32, id: u64| splitmix(id ^ ((copy as u64) << 44) ^ 0x5eed);
+    let mut caches: Vec<Lru> = (0..workers).map(|_| Lru::default()).collect();
+    let mut holders: HashMap<u64, u128> = HashMap::new();
+    let mut recent: VecDeque<(u32, usize)> = VecDeque::new();
+    let mut active = vec![0usize; workers as usize];
+    let mut w = Workload {
+        workers,
+        requests: 0,
+        ops: Vec::new(),
+        block_ops: 0,
+        stores: 0,
+        hits: 0,
+        lookups: Vec::new(),
+        distinct: 0,
+        pairs: 0,
+    };
+    let mut matched = vec![0usize; workers as usize];
+    let all: u128 = if workers == 128 { u128::MAX } else { (1u128 << workers) - 1 };
+    'outer: for ids in trace {
+        for copy in 0..copies {
+            let blocks: Vec<u64> = ids.iter().take(capacity).map(|&id| hash(copy, id)).collect();
+            let now = w.requests as u64;
+            // Route: each worker's cached prefix, from the holder bitmaps.
+            matched.iter_mut().for_each(|m| *m = 0);
+            let mut mask = all;
+            for h in &blocks {
+                mask &= holders.get(h).copied().unwrap_or(0);
+                if mask == 0 {
+                    break;
+                }
+                let mut m = mask;
+                while m != 0 {
+                    matched[m.trailing_zeros() as usize] += 1;
+                    m &= m - 1;
+                }
+            }
+            let start = (now % workers as u64) as usize;
+            let cost = |k: usize| blocks.len() - matched[k] + active[k];
+            let chosen = (0..workers as usize).map(|j| (start + j) % workers as usize).min_by_key(|&k| cost(k));
+            let chosen = chosen.expect("at least one worker");
+            recent.push_back((chosen as u32, blocks.len()));
+            active[chosen] += blocks.len();
+            if recent.len() > 2 * workers as usize {
+                let (k, n) = recent.pop_front().expect("non-empty");
+                active[k as usize] -= n;
+            }
+            // Serve: touch every block; the missing suffix is stored.
+            let cache = &mut caches[chosen];
+            let bit = 1u128 << chosen;
+            let mut first_missing = blocks.len();
+            for (d, &h) in blocks.iter().enumerate() {
+                if cache.touch(h, now, d as u32) {
+                    w.hits += 1;
+                    debug_assert!(first_missing == blocks.len(), "caches stay prefix-closed");
+                } else {
+                    first_missing = first_missing.min(d);
+                    *holders.entry(h).or_insert(0) |= bit;
+                }
+            }
+            if first_missing < blocks.len() {
+                let stored = blocks[first_missing..].to_vec();
+                w.stores += stored.len();
+                w.block_ops += stored.len();
+                let parent = first_missing.checked_sub(1).map(|i| blocks[i]);
+                w.ops.push(Op::Store { worker: chosen as u32, parent, hashes: stored });
+            }
+            let mut evicted = Vec::new();
+            while cache.at.len() > capacity {
+                let h = cache.evict();
+                let e = holders.get_mut(&h).expect("a cached block has holders");
+                *e &= !bit;
+                if *e == 0 {
+                    holders.remove(&h);
+                }
+                evicted.push(h);
+            }
+            if !evicted.is_empty() {
+                w.block_ops += evicted.len();
+                w.ops.push(Op::Remove { worker: chosen as u32, hashes: evicted });
+            }
+            w.requests += 1;
+            if max_blocks > 0 && w.stores >= max_blocks {
+                break 'outer;
+            }
+        }
+    }
+    w.distinct = holders.len();
+    w.pairs = caches.iter().map(|c| c.at.len()).sum();
+    // Lookups: trace requests (any copy), spread over the trace.
+    let served = (w.requests / copies as usize).max(1);
+    w.lookups = (0..lookups as u64)
+        .map(|i| {
+            let r = splitmix(i ^ 0x100c) as usize % served.min(trace.len());
+            let copy = (splitmix(i ^ 0xc0b1) % copies as u64) as u32;
+            trace[r].iter().take(capacity).map(|&id| hash(copy, id)).collect()
+        })
+        .collect();
+    w
+}
+
+/// One measured run of one peer.
+#[derive(Clone, Copy, Debug, Default)]
+struct Row {
+    ops_per_s: f64,
+    p50: Duration,
+    p99: Duration,
+    lookups: usize,
+    bytes: f64,
+}
+
+fn pct(sorted: &[u64], p: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    Duration::from_nanos(sorted[((sorted.len() - 1) as f64 * p) as usize])
+}
+
+/// Runs `lookup` back to back on this thread until `done`, returning the sorted latencies (ns).
+fn lookup_loop(w: &Workload, done: &AtomicBool, mut lookup: impl FnMut(&[u64]) -> u64) -> Vec<u64> {
+    let mut lat = Vec::with_capacity(1 << 20);
+    let mut sink = 0u64;
+    let mut i = 0;
+    while !done.load(Ordering::Relaxed) {
+        let q = &w.lookups[i % w.lookups.len()];
+        let t0 = Instant::now();
+        sink = sink.wrapping_add(lookup(q));
+        lat.push(t0.elapsed().as_nanos() as u64);
+        i += 1;
+    }
+    black_box(sink);
+    lat.sort_unstable();
+    lat
+}
+
+/// The row of a run: `lat` (sorted) is dropped before the allocator is read, so that it is not
+/// counted as the peer's memory.
+fn row(ops: usize, elapsed: Duration, lat: Vec<u64>, before: usize) -> Row {
+    let (p50, p99, lookups) = (pct(&lat, 0.5), pct(&lat, 0.99), lat.len());
+    drop(lat);
+    Row {
+        ops_per_s: ops as f64 / elapsed.as_secs_f64(),
+        p50,
+        p99,
+        lookups,
+        bytes: ALLOCATOR.allocated().saturating_sub(before) as f64,
+    }
+}
+
+/// An index applied directly by writer threads (ours, and the reference behind a mutex).
+trait Direct: Send + Sync {
+    fn apply(&self, op: &Op);
     fn lookup(&self, hashes: &[u64]) -> u64;
-    /// Indexed `(worker, tier, hash)` blocks.
-    fn blocks(&self) -> usize;
 }
 
 fn wid(raw: u32) -> WorkerId {
     WorkerId::new(raw).expect("small worker id")
 }
 
-struct Index(PrefixIndex);
-
-impl Peer for Index {
-    fn name(&self) -> &'static str {
-        "index"
-    }
-    fn store(&self, worker: u32, tier: TierId, hashes: &[u64]) {
-        self.0.store(wid(worker), tier, hashes);
-    }
-    fn remove(&self, worker: u32, tier: TierId, hashes: &[u64]) {
-        self.0.remove(wid(worker), tier, hashes);
+impl Direct for PrefixIndex {
+    fn apply(&self, op: &Op) {
+        match op {
+            Op::Store { worker, hashes, .. } => self.store(wid(*worker), TierId::DEVICE, hashes),
+            Op::Remove { worker, hashes } => {
+                self.remove(wid(*worker), TierId::DEVICE, hashes);
+            }
+        }
     }
     fn lookup(&self, hashes: &[u64]) -> u64 {
         thread_local!(static OUT: std::cell::RefCell<LookupResult> = Default::default());
         OUT.with(|out| {
             let mut out = out.borrow_mut();
-            self.0.lookup_into(hashes, &mut out);
+            self.lookup_into(hashes, &mut out);
             out.iter().map(|m| m.blocks as u64).sum()
         })
     }
-    fn blocks(&self) -> usize {
-        self.0.stats().blocks
-    }
 }
 
-struct Reference(Mutex<ReferenceIndex>);
-
-impl Reference {
-    fn get(&self) -> std::sync::MutexGuard<'_, ReferenceIndex> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-impl Peer for Reference {
-    fn name(&self) -> &'static str {
-        "reference"
-    }
-    fn store(&self, worker: u32, tier: TierId, hashes: &[u64]) {
-        self.get().store(wid(worker), tier, hashes);
-    }
-    fn remove(&self, worker: u32, tier: TierId, hashes: &[u64]) {
-        self.get().remove(wid(worker), tier, hashes);
+impl Direct for Mutex<ReferenceIndex> {
+    fn apply(&self, op: &Op) {
+        let mut r = self.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match op {
+            Op::Store { worker, hashes, .. } => r.store(wid(*worker), TierId::DEVICE, hashes),
+            Op::Remove { worker, hashes } => {
+                r.remove(wid(*worker), TierId::DEVICE, hashes);
+            }
+        }
     }
     fn lookup(&self, hashes: &[u64]) -> u64 {
-        self.get().lookup(hashes).iter().map(|m| m.blocks as u64).sum()
-    }
-    fn blocks(&self) -> usize {
-        self.get().len()
+        let r = self.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        r.lookup(hashes).iter().map(|m| m.blocks as u64).sum()
     }
 }
 
-// DYNAMO PEER: add `dynamo-kv-router` as an optional dev-dependency behind a `dynamo-peer`
-// feature, wrap its radix tree in a struct implementing `Peer` here (one worker per `u32`,
-// DP rank 0; store/remove as KV events with one block per hash), and push it in `peers()`.
-
-fn peers() -> Vec<Arc<dyn Peer>> {
-    vec![
-        Arc::new(Index(PrefixIndex::new(IndexConfig::default()))),
-        Arc::new(Reference(Mutex::new(ReferenceIndex::new()))),
-    ]
-}
-
-/// A deterministic generator (SplitMix64), so every peer sees the same workload.
-struct Gen(u64);
-
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
-const WORKERS: u32 = 16;
-const SHARED_PREFIXES: u64 = 2_000;
-
-/// A request: a shared prefix (system prompt, 8..40 blocks) and a unique suffix (8..56
-/// blocks), as chained hashes; and the worker that served it.
-fn request(g: &mut Gen) -> (u32, Vec<u64>) {
-    let p = g.below(SHARED_PREFIXES);
-    let plen = 8 + p % 32;
-    let slen = 8 + g.below(48);
-    let mut h = p.wrapping_mul(0x2545_f491_4f6c_dd1d) | 1;
-    let mut blocks = Vec::with_capacity((plen + slen) as usize);
-    for _ in 0..plen {
-        h = h.rotate_left(17).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x51;
-        blocks.push(h);
-    }
-    let salt = g.next();
-    for _ in 0..slen {
-        h = (h ^ salt).rotate_left(23).wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
-        blocks.push(h);
-    }
-    // Prefix-affine placement, as a KV-aware router would do: most requests of a prefix land
-    // on the same few workers.
-    let worker = ((p + g.below(3)) % WORKERS as u64) as u32;
-    (worker, blocks)
-}
-
-fn workload(blocks: usize, seed: u64) -> Vec<(u32, Vec<u64>)> {
-    let mut g = Gen(seed);
-    let mut out = Vec::new();
-    let mut n = 0;
-    while n < blocks {
-        let r = request(&mut g);
-        n += r.1.len();
-        out.push(r);
-    }
-    out
-}
-
-fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p) as usize]
-}
-
-struct Row {
-    name: &'static str,
-    bytes_per_block: f64,
-    store_ops: f64,
-    churn_ops: [f64; 2],
-    lookup: [Duration; 2],
-    lookup_busy: [Duration; 2],
-}
-
-fn measure(peer: Arc<dyn Peer>, load: &[(u32, Vec<u64>)], churn: &[(u32, Vec<u64>)], lookups: usize) -> Row {
-    // 1. Store everything (single thread): ops/s and allocator bytes per indexed block.
+fn run_direct<I: Direct>(w: &Workload, threads: usize, make: impl FnOnce() -> I) -> Row {
     let before = ALLOCATOR.allocated();
-    let t0 = Instant::now();
-    let mut ops = 0usize;
-    for (worker, blocks) in load {
-        peer.store(*worker, TierId::DEVICE, blocks);
-        ops += blocks.len();
-    }
-    let store_ops = ops as f64 / t0.elapsed().as_secs_f64();
-    let indexed = peer.blocks();
-    let bytes_per_block = (ALLOCATOR.allocated() - before) as f64 / indexed as f64;
-
-    // 2. Churn: each thread stores a request's blocks and removes them again (a cache
-    //    admitting and evicting), on its own workers. Block ops/s at 1 and 2 threads.
-    let mut churn_ops = [0.0; 2];
-    for (k, threads) in [1usize, 2].into_iter().enumerate() {
+    let index = make();
+    let done = AtomicBool::new(false);
+    let (elapsed, lat) = std::thread::scope(|s| {
+        let reader = s.spawn(|| lookup_loop(w, &done, |q| index.lookup(q)));
         let t0 = Instant::now();
-        let total: usize = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..threads)
-                .map(|th| {
-                    let peer = peer.clone();
-                    s.spawn(move || {
-                        let mut ops = 0;
-                        for (i, (worker, blocks)) in churn.iter().enumerate().skip(th).step_by(threads) {
-                            let tier = if i % 4 == 0 { TierId::HOST } else { TierId::DEVICE };
-                            peer.store(*worker, tier, blocks);
-                            peer.remove(*worker, tier, blocks);
-                            ops += 2 * blocks.len();
-                        }
-                        ops
-                    })
+        let writers: Vec<_> = (0..threads)
+            .map(|t| {
+                let index = &index;
+                s.spawn(move || {
+                    for op in w.ops.iter().filter(|op| op.worker() as usize % threads == t) {
+                        index.apply(op);
+                    }
                 })
-                .collect();
-            handles.into_iter().map(|h| h.join().unwrap()).sum()
-        });
-        churn_ops[k] = total as f64 / t0.elapsed().as_secs_f64();
+            })
+            .collect();
+        writers.into_iter().for_each(|h| h.join().expect("writer"));
+        let elapsed = t0.elapsed();
+        done.store(true, Ordering::Relaxed);
+        (elapsed, reader.join().expect("reader"))
+    });
+    let r = row(w.block_ops, elapsed, lat, before);
+    drop(index);
+    r
+}
+
+#[cfg(feature = "dynamo-bench")]
+mod dynamo {
+    //! NVIDIA Dynamo's indexes (`dynamo-kv-router` 1.6.1), driven as its router drives them.
+
+    use super::*;
+    use dynamo_kv_router::indexer::{SyncIndexer, ThreadPoolIndexer};
+    use dynamo_kv_router::protocols::{
+        ExternalSequenceBlockHash, KvCacheEvent, KvCacheEventData, KvCacheRemoveData, KvCacheStoreData,
+        KvCacheStoredBlockData, LocalBlockHash, RouterEvent,
+    };
+    use dynamo_kv_router::{ConcurrentRadixTreeCompressed, RadixTree};
+
+    /// A KV event as Dynamo's router receives it: worker id, DP rank 0, device tier; each block
+    /// with its sequence hash and (the trace's hashes being chained already) the same value as
+    /// its local hash, which is what Dynamo's trees match requests by.
+    fn event(id: u64, op: &Op) -> RouterEvent {
+        let data = match op {
+            Op::Store { parent, hashes, .. } => KvCacheEventData::Stored(KvCacheStoreData {
+                parent_hash: parent.map(ExternalSequenceBlockHash),
+                start_position: None,
+                blocks: hashes
+                    .iter()
+                    .map(|&h| KvCacheStoredBlockData {
+                        block_hash: ExternalSequenceBlockHash(h),
+                        tokens_hash: LocalBlockHash(h),
+                        mm_extra_info: None,
+                    })
+                    .collect(),
+            }),
+            Op::Remove { hashes, .. } => KvCacheEventData::Removed(KvCacheRemoveData {
+                block_hashes: hashes.iter().map(|&h| ExternalSequenceBlockHash(h)).collect(),
+            }),
+        };
+        RouterEvent::new(op.worker() as u64, KvCacheEvent { event_id: id, data, dp_rank: 0 })
     }
 
-    // 3. Lookups of stored requests (deep matches), alone and with a writer churning.
-    let run_lookups = |n: usize| {
-        let mut lat = Vec::with_capacity(n);
-        let mut sink = 0u64;
-        for i in 0..n {
-            let (_, blocks) = &load[(i * 7919) % load.len()];
+    fn query(hashes: &[u64]) -> Vec<LocalBlockHash> {
+        hashes.iter().map(|&h| LocalBlockHash(h)).collect()
+    }
+
+    /// `ConcurrentRadixTreeCompressed` behind `ThreadPoolIndexer` with `threads` apply threads;
+    /// lookups inline on the reader thread (as `find_matches` does).
+    pub fn crtc(w: &Workload, threads: usize) -> Row {
+        let queries: Vec<Vec<LocalBlockHash>> = w.lookups.iter().map(|q| query(q)).collect();
+        let rt = tokio::runtime::Builder::new_current_thread().build().expect("tokio runtime");
+        let before = ALLOCATOR.allocated();
+        let events: Vec<RouterEvent> = w.ops.iter().enumerate().map(|(i, op)| event(i as u64, op)).collect();
+        let pool = ThreadPoolIndexer::new(ConcurrentRadixTreeCompressed::new(), threads, 512);
+        let done = AtomicBool::new(false);
+        let (elapsed, lat) = std::thread::scope(|s| {
+            let reader = s.spawn(|| {
+                let mut k = 0usize;
+                lookup_loop(w, &done, |_| {
+                    k += 1;
+                    let q = &queries[(k - 1) % queries.len()];
+                    pool.backend().find_matches(q, false).scores.values().map(|&v| v as u64).sum()
+                })
+            });
             let t0 = Instant::now();
-            sink = sink.wrapping_add(peer.lookup(blocks));
-            lat.push(t0.elapsed());
+            for (i, ev) in events.into_iter().enumerate() {
+                pool.enqueue_event(ev).expect("enqueue");
+                if i % 4096 == 4095 {
+                    rt.block_on(pool.flush_and_wait()).expect("flush");
+                }
+            }
+            rt.block_on(pool.flush_and_wait()).expect("flush");
+            let elapsed = t0.elapsed();
+            done.store(true, Ordering::Relaxed);
+            (elapsed, reader.join().expect("reader"))
+        });
+        let r = row(w.block_ops, elapsed, lat, before);
+        drop(pool);
+        r
+    }
+
+    /// `RadixTree`: one thread applies the events and looks up once every 8 events.
+    pub fn radix(w: &Workload) -> Row {
+        let queries: Vec<Vec<LocalBlockHash>> = w.lookups.iter().map(|q| query(q)).collect();
+        let before = ALLOCATOR.allocated();
+        let events: Vec<RouterEvent> = w.ops.iter().enumerate().map(|(i, op)| event(i as u64, op)).collect();
+        let mut tree = RadixTree::new();
+        let mut lat = Vec::with_capacity(events.len() / 8 + 1);
+        let mut apply = Duration::ZERO;
+        let mut sink = 0u64;
+        for (i, ev) in events.into_iter().enumerate() {
+            let t0 = Instant::now();
+            tree.apply_event(ev).expect("a well-formed event");
+            apply += t0.elapsed();
+            if i % 8 == 7 {
+                let q = queries[(i / 8) % queries.len()].clone();
+                let t0 = Instant::now();
+                sink = sink.wrapping_add(tree.find_matches(q, false).scores.values().map(|&v| v as u64).sum());
+                lat.push(t0.elapsed().as_nanos() as u64);
+            }
         }
         black_box(sink);
         lat.sort_unstable();
-        [pct(&lat, 0.5), pct(&lat, 0.99)]
-    };
-    let lookup = run_lookups(lookups);
-    let stop = std::sync::atomic::AtomicBool::new(false);
-    let lookup_busy = std::thread::scope(|s| {
-        let writer = s.spawn(|| {
-            let mut i = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                let (worker, blocks) = &churn[i % churn.len()];
-                peer.store(*worker, TierId::HOST, blocks);
-                peer.remove(*worker, TierId::HOST, blocks);
-                i += 1;
-            }
-        });
-        let r = run_lookups(lookups);
-        stop.store(true, std::sync::atomic::Ordering::Relaxed);
-        writer.join().unwrap();
+        let r = row(w.block_ops, apply, lat, before);
+        drop(tree);
         r
-    });
-    Row { name: peer.name(), bytes_per_block, store_ops, churn_ops, lookup, lookup_busy }
+    }
 }
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).and_then(|v| v.parse().ok()).unwrap_or(default)
+struct Opts {
+    workers: Vec<u32>,
+    runs: usize,
+    threads: usize,
+    capacity: usize,
+    copies: Option<u32>,
+    blocks: usize,
+    lookups: usize,
+    trace: Option<PathBuf>,
+    reference: bool,
+    only: Option<String>,
+}
+
+impl Opts {
+    fn parse() -> Opts {
+        let args: Vec<String> = std::env::args().collect();
+        let val = |name: &str| args.iter().position(|a| a == name).and_then(|i| args.get(i + 1)).cloned();
+        let num = |name: &str, d: usize| val(name).and_then(|v| v.parse().ok()).unwrap_or(d);
+        let blocks = num("--blocks", 0);
+        Opts {
+            workers: val("--workers")
+                .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+                .unwrap_or_else(|| vec![8, 128]),
+            runs: num("--runs", if blocks > 0 { 1 } else { 3 }).max(1),
+            threads: num("--threads", 1).max(1),
+            capacity: num("--capacity", 4096).max(1),
+            copies: val("--copies").and_then(|v| v.parse().ok()),
+            blocks,
+            lookups: num("--lookups", 20_000).max(1),
+            trace: val("--trace")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("KV_ROUTER_MOONCAKE").map(PathBuf::from))
+                .or_else(|| {
+                    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+                        .join("../../shared/data/mooncake/conversation_trace.jsonl");
+                    p.exists().then_some(p)
+                }),
+            reference: args.iter().any(|a| a == "--reference") || !cfg!(feature = "dynamo-bench"),
+            only: val("--only"),
+        }
+    }
+}
+
+type Runner<'a> = (&'static str, Box<dyn Fn(&Workload) -> Row + 'a>);
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
 }
 
 fn main() {
-    let blocks = arg("--blocks", 1_000_000);
-    let lookups = arg("--lookups", 20_000);
-    let load = workload(blocks, 1);
-    let churn = workload(blocks / 10, 2);
-    println!(
-        "prefix index bench: {} requests, {} block stores, {WORKERS} workers; churn {} requests; {lookups} lookups",
-        load.len(),
-        load.iter().map(|r| r.1.len()).sum::<usize>(),
-        churn.len()
-    );
-    let only_index = std::env::args().any(|a| a == "--index-only");
-    let rows: Vec<Row> = peers()
-        .into_iter()
-        .filter(|p| !only_index || p.name() == "index")
-        .map(|p| measure(p, &load, &churn, lookups))
-        .collect();
-    println!(
-        "{:<10} {:>10} {:>12} {:>12} {:>12} {:>9} {:>9} {:>9} {:>9}",
-        "peer", "B/block", "store/s", "churn/s 1t", "churn/s 2t", "p50", "p99", "p50 busy", "p99 busy"
-    );
-    for r in &rows {
-        println!(
-            "{:<10} {:>10.1} {:>12.0} {:>12.0} {:>12.0} {:>9.2?} {:>9.2?} {:>9.2?} {:>9.2?}",
-            r.name,
-            r.bytes_per_block,
-            r.store_ops,
-            r.churn_ops[0],
-            r.churn_ops[1],
-            r.lookup[0],
-            r.lookup[1],
-            r.lookup_busy[0],
-            r.lookup_busy[1]
-        );
+    let o = Opts::parse();
+    let threads = o.threads;
+    let mut runners: Vec<Runner> = vec![(
+        "index",
+        Box::new(move |w: &Workload| run_direct(w, threads, || PrefixIndex::new(IndexConfig::default()))),
+    )];
+    #[cfg(feature = "dynamo-bench")]
+    {
+        runners.push(("dynamo-crtc", Box::new(move |w: &Workload| dynamo::crtc(w, threads))));
+        runners.push(("dynamo-radix", Box::new(dynamo::radix)));
     }
-    let (ix, peers) = (&rows[0], &rows[1..]);
-    for p in peers {
-        let t = |a: Duration, b: Duration| a.as_secs_f64() / b.as_secs_f64();
+    if o.reference {
+        runners.push((
+            "reference",
+            Box::new(move |w: &Workload| run_direct(w, threads, || Mutex::new(ReferenceIndex::new()))),
+        ));
+    }
+    runners.retain(|(name, _)| name == &"index" || o.only.as_deref().is_none_or(|n| n == *name));
+    let (source, trace) = read_trace(o.trace.as_ref(), o.blocks);
+    println!(
+        "prefix index bench: trace {source} ({} requests); {} writer thread(s) + 1 lookup thread; {} run(s); load average {}",
+        trace.len(),
+        threads,
+        o.runs,
+        std::fs::read_to_string("/proc/loadavg").map(|s| s.split(' ').take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+    );
+    for &workers in &o.workers {
+        let copies = o.copies.unwrap_or((workers / 2).max(4));
+        let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);
         println!(
-            "index vs {}: memory/block x{:.3}, store ops/s x{:.2}, churn ops/s x{:.2} (1t) x{:.2} (2t), lookup p50 x{:.3} p99 x{:.3}, busy p50 x{:.3} p99 x{:.3}",
-            p.name,
-            ix.bytes_per_block / p.bytes_per_block,
-            ix.store_ops / p.store_ops,
-            ix.churn_ops[0] / p.churn_ops[0],
-            ix.churn_ops[1] / p.churn_ops[1],
-            t(ix.lookup[0], p.lookup[0]),
-            t(ix.lookup[1], p.lookup[1]),
-            t(ix.lookup_busy[0], p.lookup_busy[0]),
-            t(ix.lookup_busy[1], p.lookup_busy[1]),
+            "\n{} workers x {} blocks LRU, {} trace copies: {} requests, {} events, {} block ops ({} stored, {} cache hits), \
+             at the end {} distinct blocks, {} (worker, block) pairs",
+            w.workers,
+            o.capacity,
+            copies,
+            w.requests,
+            w.ops.len(),
+            w.block_ops,
+            w.stores,
+            w.hits,
+            w.distinct,
+            w.pairs
         );
+        let mut rows: Vec<Vec<Row>> = vec![Vec::new(); runners.len()];
+        for run in 0..o.runs {
+            for (k, (name, f)) in runners.iter().enumerate() {
+                let r = f(&w);
+                println!(
+                    "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups)  {:>6.1} B/distinct {:>6.1} B/pair",
+                    r.ops_per_s,
+                    r.p50,
+                    r.p99,
+                    r.lookups,
+                    r.bytes / w.distinct.max(1) as f64,
+                    r.bytes / w.pairs.max(1) as f64
+                );
+                rows[k].push(r);
+            }
+        }
+        println!(
+            "  medians of {} run(s)   {:>12} {:>10} {:>10} {:>12} {:>10}",
+            o.runs, "ops/s", "p50", "p99", "B/distinct", "B/pair"
+        );
+        let med = |k: usize, f: &dyn Fn(&Row) -> f64| median(rows[k].iter().map(f).collect());
+        for (k, (name, _)) in runners.iter().enumerate() {
+            println!(
+                "  {name:<22} {:>12.0} {:>8.2}µs {:>8.2}µs {:>12.1} {:>10.1}",
+                med(k, &|r| r.ops_per_s),
+                med(k, &|r| r.p50.as_secs_f64() * 1e6),
+                med(k, &|r| r.p99.as_secs_f64() * 1e6),
+                med(k, &|r| r.bytes / w.distinct.max(1) as f64),
+                med(k, &|r| r.bytes / w.pairs.max(1) as f64),
+            );
+        }
+        for (k, (name, _)) in runners.iter().enumerate().skip(1) {
+            // Same-run ratios, median over runs.
+            let ratio =
+                |f: &dyn Fn(&Row) -> f64| median(rows[0].iter().zip(&rows[k]).map(|(a, b)| f(a) / f(b)).collect());
+            println!(
+                "  index / {name}: ops/s x{:.2}, lookup p50 x{:.3}, p99 x{:.3}, memory x{:.3}",
+                ratio(&|r| r.ops_per_s),
+                ratio(&|r| r.p50.as_secs_f64()),
+                ratio(&|r| r.p99.as_secs_f64()),
+                ratio(&|r| r.bytes),
+            );
+        }
     }
 }
