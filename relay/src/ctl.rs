@@ -32,8 +32,8 @@ pub enum CtlError {
     Address { url: String, why: String },
     #[error("reading {path}: {source}")]
     File { path: String, source: std::io::Error },
-    #[error("cannot connect to the relay at {url}: {why} (is kv-relay running and listening there? check --relay or KV_RELAY_ADDR)")]
-    Connect { url: String, why: String },
+    #[error("cannot connect to the relay at {url}: {why} (is kv-relay running and listening there? check --relay or KV_RELAY_ADDR{tls})")]
+    Connect { url: String, why: String, tls: &'static str },
     #[error("the relay at {url} answered {code:?}: {message}{hint}")]
     Rpc { url: String, code: tonic::Code, message: String, hint: &'static str },
 }
@@ -74,7 +74,8 @@ pub async fn connect(t: &Target) -> Result<Client, CtlError> {
     let mut ep = Channel::from_shared(t.url.clone())
         .map_err(|e| CtlError::Address { url: t.url.clone(), why: e.to_string() })?
         .connect_timeout(std::time::Duration::from_secs(5));
-    if t.tls_ca.is_some() || t.tls_cert.is_some() || t.url.starts_with("https://") {
+    let with_tls = t.tls_ca.is_some() || t.tls_cert.is_some() || t.url.starts_with("https://");
+    if with_tls {
         let mut tls = ClientTlsConfig::new();
         if let Some(ca) = &t.tls_ca {
             tls = tls.ca_certificate(Certificate::from_pem(read(ca)?));
@@ -87,7 +88,9 @@ pub async fn connect(t: &Target) -> Result<Client, CtlError> {
         }
         ep = ep.tls_config(tls).map_err(|e| CtlError::Address { url: t.url.clone(), why: e.to_string() })?;
     }
-    let channel = ep.connect().await.map_err(|e| CtlError::Connect { url: t.url.clone(), why: error_chain(&e) })?;
+    let tls = if with_tls { ", and the --tls-* settings against the relay's certificate" } else { "" };
+    let channel =
+        ep.connect().await.map_err(|e| CtlError::Connect { url: t.url.clone(), why: error_chain(&e), tls })?;
     let auth = match &t.token {
         Some(tok) => Some(
             format!("Bearer {tok}")
@@ -99,11 +102,18 @@ pub async fn connect(t: &Target) -> Result<Client, CtlError> {
     Ok(RelayClient::with_interceptor(channel, Auth(auth)).max_decoding_message_size(64 << 20))
 }
 
+/// An error and its sources, `a: b: c`, each said once (the transport's layers often repeat
+/// the one below them).
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
+    let mut last = s.clone();
     let mut cur = e.source();
     while let Some(c) = cur {
-        let _ = write!(s, ": {c}");
+        let text = c.to_string();
+        if !last.contains(&text) {
+            let _ = write!(s, ": {text}");
+        }
+        last = text;
         cur = c.source();
     }
     s
