@@ -897,7 +897,7 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         sent += n;
         published += 1;
         // Keep at most ~400 batches ahead of the relay.
-        if published % 100 == 0 {
+        if published.is_multiple_of(100) {
             harness_wait(Duration::from_secs(120), || {
                 let (_, seqs) = relay_position(&url);
                 seqs.iter().map(|s| s + 1).sum::<u64>() + 400 >= base_seq + published
