@@ -217,7 +217,17 @@ pub fn stale_cursor(_scale: Scale) -> Report {
     expect_equal(&mut rep, &e, Some(&t), &[&a], "before the partition", Duration::from_secs(10));
     p.set_cut(true);
     wait_until(Duration::from_secs(5), || !a.follower.relays().iter().any(|x| x.connected));
-    let saved = a.get();
+    // What the router still had in hand when the link went is applied before its cursor counts.
+    let mut saved = a.get();
+    let settle = Instant::now();
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = a.get();
+        if now.cursor() == saved.cursor() || settle.elapsed() > Duration::from_secs(5) {
+            break;
+        }
+        saved = now;
+    }
     roll_history_past(&mut rep, &r, saved.cursor());
     let started = Instant::now();
     p.set_cut(false);
