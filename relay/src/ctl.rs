@@ -36,10 +36,19 @@ pub enum CtlError {
     Connect { url: String, why: String, tls: &'static str },
     #[error("the relay at {url} answered {code:?}: {message}{hint}")]
     Rpc { url: String, code: tonic::Code, message: String, hint: &'static str },
+    /// The connection failed under a call (`Unknown: transport error`, or the transport's
+    /// `Cancelled`): with TLS 1.3 a relay that refuses the client certificate says so only then.
+    #[error("the connection to the relay at {url} failed during the call")]
+    Broken { url: String },
 }
 
 impl CtlError {
     pub fn rpc(url: &str, s: tonic::Status) -> CtlError {
+        let broken = (s.code() == tonic::Code::Unknown && s.message().starts_with("transport error"))
+            || (s.code() == tonic::Code::Cancelled && s.message() == "operation was canceled");
+        if broken {
+            return CtlError::Broken { url: url.to_string() };
+        }
         let hint = match s.code() {
             tonic::Code::Unauthenticated => " (check --token or KV_RELAY_TOKEN)",
             tonic::Code::ResourceExhausted => " (rate limited: retry later)",

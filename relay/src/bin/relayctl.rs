@@ -307,10 +307,10 @@ async fn newest(
     }
 }
 
-/// A call the connection failed under (`Unknown: transport error`): with TLS 1.3 a relay that
-/// refuses the client certificate says so only at the first call.
+/// A call the connection failed under: with TLS 1.3 a relay that refuses the client
+/// certificate says so only at the first call.
 fn broke(e: &CtlError) -> bool {
-    matches!(e, CtlError::Rpc { code: tonic::Code::Unknown, message, .. } if message.starts_with("transport error"))
+    matches!(e, CtlError::Broken { .. })
 }
 
 /// The exit status of a failure: 69 (`EX_UNAVAILABLE`) when the relay cannot be reached, 77
@@ -320,7 +320,7 @@ fn exit_code(e: &anyhow::Error) -> u8 {
     match e.chain().find_map(|c| c.downcast_ref::<CtlError>()) {
         Some(CtlError::Connect { .. }) => 69,
         Some(CtlError::Rpc { code: tonic::Code::Unavailable, .. }) => 69,
-        Some(e @ CtlError::Rpc { .. }) if broke(e) => 69,
+        Some(CtlError::Broken { .. }) => 69,
         Some(CtlError::Rpc { code: tonic::Code::Unauthenticated | tonic::Code::PermissionDenied, .. }) => 77,
         Some(CtlError::Address { .. }) => 2,
         _ => 1,
