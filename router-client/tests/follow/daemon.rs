@@ -85,7 +85,7 @@ async fn mock_engine_through_the_daemon_converges_to_the_engines_truth() {
     let e = engine();
     let c = e.config().clone();
     let state = tempfile::tempdir().unwrap();
-    let args = <kv_relay::config::Args as clap::Parser>::try_parse_from([
+    let argv: Vec<String> = [
         "kv-relay",
         "--endpoint",
         &c.endpoint,
@@ -101,21 +101,12 @@ async fn mock_engine_through_the_daemon_converges_to_the_engines_truth() {
         "127.0.0.1:0",
         "--metrics-listen",
         "off",
-    ])
-    .unwrap();
-    let cfg = args.validate().unwrap();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let daemon = tokio::spawn(kv_relay::daemon::run(
-        cfg,
-        async {
-            let _ = stop_rx.await;
-        },
-        move |r| {
-            let _ = ready_tx.send(r.listen);
-        },
-    ));
-    let url = format!("http://{}", ready_rx.await.unwrap());
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let daemon = crate::util::Daemon::start(&argv).await;
+    let url = daemon.url();
 
     let f = crate::util::quick_follower();
     f.add_relay(&url).unwrap();
@@ -152,6 +143,5 @@ async fn mock_engine_through_the_daemon_converges_to_the_engines_truth() {
     assert_eq!(states, [(0, WorkerState::Fresh), (1, WorkerState::Fresh)]);
 
     f.shutdown().await;
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(20), daemon).await.unwrap().unwrap().unwrap();
+    daemon.stop().await;
 }

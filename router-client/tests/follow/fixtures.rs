@@ -92,20 +92,9 @@ async fn replay_through_relay_and_follower(name: &str) -> Outcome {
     .collect();
     let settings = f.hash_settings();
     argv.extend(settings.iter().flat_map(|s| s.relay_args()));
-    let cfg = <kv_relay::config::Args as clap::Parser>::try_parse_from(&argv).unwrap().validate().unwrap();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let daemon = tokio::spawn(kv_relay::daemon::run(
-        cfg,
-        async {
-            let _ = stop_rx.await;
-        },
-        move |r| {
-            let _ = ready_tx.send((r.listen, r.status, r.store));
-        },
-    ));
-    let (listen, status, store): (_, RelayStatusHandle, _) = ready_rx.await.unwrap();
-    let url = format!("http://{listen}");
+    let daemon = crate::util::Daemon::start(&argv).await;
+    let (status, store): (RelayStatusHandle, _) = (daemon.running.status.clone(), daemon.running.store.clone());
+    let url = daemon.url();
     let follower = crate::util::quick_follower();
     follower.add_relay(&url).unwrap();
 
@@ -203,8 +192,7 @@ async fn replay_through_relay_and_follower(name: &str) -> Outcome {
     .unwrap();
 
     follower.shutdown().await;
-    let _ = stop_tx.send(());
-    tokio::time::timeout(Duration::from_secs(20), daemon).await.unwrap().unwrap().unwrap();
+    daemon.stop().await;
     outcome
 }
 

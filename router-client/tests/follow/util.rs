@@ -1,4 +1,5 @@
-//! Builders of stream messages, and a scripted admission with its expected state beside it.
+//! Builders of stream messages, a scripted admission with its expected state beside it, and a
+//! relay daemon run in the test's runtime.
 
 use std::sync::Arc;
 
@@ -155,4 +156,40 @@ pub fn quick_follower() -> kv_router_client::Follower {
         },
         ..kv_router_client::FollowConfig::default()
     })
+}
+
+/// A relay daemon (`kv_relay::daemon::run`) in the test's runtime, started from its command line
+/// (`kv-relay` first) and ready: its store open and its listener bound.
+pub struct Daemon {
+    pub running: kv_relay::daemon::Running,
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<Result<(), kv_relay::daemon::DaemonError>>,
+}
+
+impl Daemon {
+    pub async fn start(argv: &[String]) -> Daemon {
+        let cfg = <kv_relay::config::Args as clap::Parser>::try_parse_from(argv).unwrap().validate().unwrap();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let (stop, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let task = tokio::spawn(kv_relay::daemon::run(
+            cfg,
+            async {
+                let _ = stop_rx.await;
+            },
+            move |r| {
+                let _ = ready_tx.send(r);
+            },
+        ));
+        Daemon { running: ready_rx.await.unwrap(), stop, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.running.listen)
+    }
+
+    /// Stops it, and checks that it ended without an error.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        tokio::time::timeout(std::time::Duration::from_secs(20), self.task).await.unwrap().unwrap().unwrap();
+    }
 }
