@@ -12,7 +12,13 @@ use std::path::Path;
 // ---------------------------------------------------------------- fixtures
 
 fn cfg(dir: &Path, max_batches: u64, max_bytes: u64) -> StoreConfig {
-    StoreConfig { dir: dir.to_path_buf(), limits: HistoryLimits { max_batches, max_bytes }, cache_bytes: 8 << 20 }
+    StoreConfig {
+        dir: dir.to_path_buf(),
+        limits: HistoryLimits { max_batches, max_bytes },
+        cache_bytes: 8 << 20,
+        // A short tail in memory: reads exercise both it and sled.
+        recent: RecentLimits { max_records: 4, max_bytes: 1 << 20 },
+    }
 }
 
 fn open(dir: &Path) -> Store {
@@ -578,7 +584,12 @@ fn history_ranges_are_ascending_and_clamped_to_what_is_kept() {
     let dir = tempfile::tempdir().unwrap();
     let s = Store::open(cfg(dir.path(), 6, u64::MAX)).unwrap();
     assert_eq!(s.history(0, 10).unwrap(), vec![]);
-    let recs = s.commit_many((0..10).map(|seq| batch(0, seq, vec![])).collect()).unwrap();
+    let recs: Vec<Record> = s
+        .commit_many((0..10).map(|seq| batch(0, seq, vec![])).collect())
+        .unwrap()
+        .iter()
+        .map(|c| c.record.clone())
+        .collect();
     assert_eq!(recs.iter().map(|r| r.cursor).collect::<Vec<_>>(), (1..=10).collect::<Vec<_>>());
     let cur = |after, limit| s.history(after, limit).unwrap().iter().map(|r| r.cursor).collect::<Vec<_>>();
     assert_eq!(cur(0, 3), vec![5, 6, 7]);
@@ -721,7 +732,11 @@ fn crash_child() {
             bodies.push(crash_body(seed, rank, seq));
             next.insert(rank, if seq == RESET_EVERY { 0 } else { seq + 1 });
         }
-        let recs = if n == 1 { vec![s.commit(bodies.pop().unwrap()).unwrap()] } else { s.commit_many(bodies).unwrap() };
+        let recs = if n == 1 {
+            vec![s.commit(bodies.pop().unwrap()).unwrap()]
+        } else {
+            s.commit_many(bodies).unwrap().iter().map(|c| c.record.clone()).collect()
+        };
         println!("c {}", recs.last().unwrap().cursor);
         if step.is_multiple_of(300) {
             s.flush().unwrap();

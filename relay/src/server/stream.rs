@@ -2,8 +2,13 @@
 //! sending through a bounded channel (the tonic pattern: stop when `send` fails, the client went
 //! away).
 //!
-//! # Memory per subscriber
-//! A subscriber reads the history from the store, a page at a time, at its own pace. It holds at
+//! # Reads
+//! A subscriber reads the history from the store, a page at a time, at its own pace. The newest
+//! records come from the store's in-memory tail ([`Store::recent`]): shared by every subscriber,
+//! each record converted to its Subscribe message once, and read without the blocking pool. Only
+//! a subscriber behind that tail reads sled.
+//!
+//! # Memory per subscriber It holds at
 //! most one page of records ([`ServerConfig::history_page`] records) and its channel
 //! ([`ServerConfig::stream_buffer`] messages), plus a broadcast receiver (a cursor into the one
 //! shared notice ring). A lagging subscriber therefore costs at most
@@ -222,17 +227,26 @@ impl Subscriber {
         loop {
             // Mark the newest cursor seen before reading: a commit after this wakes the wait.
             self.newest.borrow_and_update();
-            let (store, page) = (self.store.clone(), self.cfg.history_page.max(1));
-            let records = match blocking(move || store.history(pos, page)).await {
-                Ok(r) => r,
-                Err(st) => return send(tx, Err(st)).await,
+            let page = self.cfg.history_page.max(1);
+            // The newest records come from memory, shared with every subscriber and converted
+            // once; older ones are read from sled on the blocking pool.
+            let records = match self.store.recent(pos, page) {
+                Some(r) => r,
+                None => {
+                    let store = self.store.clone();
+                    match blocking(move || store.history_shared(pos, page)).await {
+                        Ok(r) => r,
+                        Err(st) => return send(tx, Err(st)).await,
+                    }
+                }
             };
             if !records.is_empty() {
-                let (n, hole) = continuing(pos, &records);
-                for r in &records[..n] {
-                    pos = r.cursor;
-                    if self.wants(record_rank(r)) {
-                        send(tx, Ok(record_to_pb(r).into_subscribe())).await?;
+                let (n, hole) = continuing(pos, records.iter().map(|c| c.record.cursor));
+                for c in &records[..n] {
+                    pos = c.record.cursor;
+                    if self.wants(record_rank(&c.record)) {
+                        let msg = c.subscribe_message(|r| record_to_pb(r).into_subscribe()).clone();
+                        send(tx, Ok(msg)).await?;
                         last_sent = Instant::now();
                     }
                 }
@@ -329,10 +343,11 @@ impl Subscriber {
 /// the cursor after the first hole. A page is read while commits trim the history, and sled's
 /// iterators are not snapshots: a trim that overtakes the reader within a page leaves a hole,
 /// which a subscriber must never be sent across (it resyncs instead).
-fn continuing(pos: u64, records: &[crate::model::Record]) -> (usize, Option<u64>) {
-    match records.iter().zip(pos + 1..).position(|(r, want)| r.cursor != want) {
-        Some(i) => (i, Some(records[i].cursor)),
-        None => (records.len(), None),
+fn continuing(pos: u64, cursors: impl ExactSizeIterator<Item = u64>) -> (usize, Option<u64>) {
+    let n = cursors.len();
+    match cursors.zip(pos + 1..).enumerate().find(|(_, (c, want))| c != want) {
+        Some((i, (c, _))) => (i, Some(c)),
+        None => (n, None),
     }
 }
 
@@ -378,20 +393,18 @@ pub(crate) async fn send_history(
 #[cfg(test)]
 mod tests {
     use super::continuing;
-    use crate::model::{Control, ControlKind, Record, RecordBody};
 
-    fn page(cursors: &[u64]) -> Vec<Record> {
-        let body = RecordBody::Control(Control { dp_rank: 0, kind: ControlKind::RankRecovered });
-        cursors.iter().map(|&cursor| Record { cursor, incarnation: 1, body: body.clone() }).collect()
+    fn page(cursors: &[u64]) -> std::iter::Copied<std::slice::Iter<'_, u64>> {
+        cursors.iter().copied()
     }
 
     #[test]
     fn a_page_is_sent_only_up_to_its_first_hole() {
-        assert_eq!(continuing(4, &page(&[5, 6, 7])), (3, None));
+        assert_eq!(continuing(4, page(&[5, 6, 7])), (3, None));
         // The history was trimmed past the reader mid-page: 7 and 8 are gone.
-        assert_eq!(continuing(4, &page(&[5, 6, 9, 10])), (2, Some(9)));
+        assert_eq!(continuing(4, page(&[5, 6, 9, 10])), (2, Some(9)));
         // ... or before its first record.
-        assert_eq!(continuing(4, &page(&[6, 7])), (0, Some(6)));
-        assert_eq!(continuing(4, &page(&[])), (0, None));
+        assert_eq!(continuing(4, page(&[6, 7])), (0, Some(6)));
+        assert_eq!(continuing(4, page(&[])), (0, None));
     }
 }

@@ -24,9 +24,11 @@
 
 mod codec;
 mod error;
+mod recent;
 mod snapshot;
 
 pub use error::StoreError;
+pub use recent::{Committed, RecentLimits};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
 
 use crate::model::{Batch, ControlKind, Event, Namespace, Record, RecordBody, Tier};
@@ -70,12 +72,19 @@ pub struct StoreConfig {
     pub limits: HistoryLimits,
     /// sled's page cache, bytes (default 64 MiB).
     pub cache_bytes: u64,
+    /// The history's tail kept in memory for subscribers ([`Store::recent`]).
+    pub recent: RecentLimits,
 }
 
 impl StoreConfig {
     /// Default limits and cache in `dir`.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        StoreConfig { dir: dir.into(), limits: HistoryLimits::default(), cache_bytes: 64 << 20 }
+        StoreConfig {
+            dir: dir.into(),
+            limits: HistoryLimits::default(),
+            cache_bytes: 64 << 20,
+            recent: RecentLimits::default(),
+        }
     }
 }
 
@@ -258,6 +267,8 @@ struct Inner {
     /// through it, one at a time.
     writer: Arc<Mutex<Writer>>,
     view: RwLock<View>,
+    /// The history's tail in memory; written under the commit lock, before `newest_tx`.
+    recent: RwLock<recent::Recent>,
     newest_tx: watch::Sender<u64>,
     /// Ranks to sweep; dropped first in `Drop` so the sweeper ends.
     sweep_tx: Mutex<Option<mpsc::Sender<u32>>>,
@@ -471,6 +482,7 @@ impl Store {
                 incarnations,
                 writer,
                 view: RwLock::new(view),
+                recent: RwLock::new(recent::Recent::new(cfg.recent)),
                 newest_tx,
                 sweep_tx: Mutex::new(Some(tx)),
                 sweeper: Mutex::new(Some(sweeper)),
@@ -499,11 +511,11 @@ impl Store {
     /// Commits one record at the next cursor.
     pub fn commit(&self, body: RecordBody) -> Result<Record, StoreError> {
         let mut v = self.commit_many(vec![body])?;
-        Ok(v.pop().expect("one record for one body"))
+        Ok(v.pop().expect("one record for one body").record.clone())
     }
 
     /// Commits records at consecutive cursors, all in one atomic write.
-    pub fn commit_many(&self, bodies: Vec<RecordBody>) -> Result<Vec<Record>, StoreError> {
+    pub fn commit_many(&self, bodies: Vec<RecordBody>) -> Result<Vec<Arc<Committed>>, StoreError> {
         if bodies.is_empty() {
             return Ok(Vec::new());
         }
@@ -523,8 +535,11 @@ impl Store {
             sweeps: BTreeSet::new(),
         };
         let mut out = Vec::with_capacity(bodies.len());
+        let mut sizes = Vec::with_capacity(bodies.len());
         for body in bodies {
-            out.push(txn.apply(body).map_err(|e| count("commit", e))?);
+            let (record, size) = txn.apply(body).map_err(|e| count("commit", e))?;
+            out.push(record);
+            sizes.push(size);
         }
         let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
         let overlay_keys: Vec<Vec<u8>> =
@@ -538,6 +553,9 @@ impl Store {
         }
         w.counters = counters;
         w.ranks = ranks;
+        let committed: Vec<Arc<Committed>> =
+            out.into_iter().zip(sizes).map(|(r, size)| Arc::new(Committed::new(r, size))).collect();
+        inner.recent.write().unwrap_or_else(|p| p.into_inner()).push(committed.iter().cloned(), counters.oldest);
         *inner.view.write().unwrap_or_else(|p| p.into_inner()) = View { counters, ranks: w.ranks.clone() };
         drop(w);
         inner.newest_tx.send_replace(counters.newest);
@@ -548,7 +566,7 @@ impl Store {
                 }
             }
         }
-        Ok(out)
+        Ok(committed)
     }
 
     fn view(&self) -> View {
@@ -572,6 +590,29 @@ impl Store {
     /// Up to `limit` records with cursors above `after`, ascending. Records older than the
     /// history are gone: the first one returned is then [`Store::oldest_cursor`].
     pub fn history(&self, after: u64, limit: usize) -> Result<Vec<Record>, StoreError> {
+        if let Some(v) = self.recent(after, limit) {
+            return Ok(v.iter().map(|c| c.record.clone()).collect());
+        }
+        self.history_from_disk(after, limit)
+    }
+
+    /// [`Store::history`], shared: from memory when the records are the newest (see
+    /// [`Store::recent`]), else read from sled.
+    pub fn history_shared(&self, after: u64, limit: usize) -> Result<Vec<Arc<Committed>>, StoreError> {
+        if let Some(v) = self.recent(after, limit) {
+            return Ok(v);
+        }
+        let v = self.history_from_disk(after, limit)?;
+        Ok(v.into_iter().map(|r| Arc::new(Committed::new(r, 0))).collect())
+    }
+
+    /// [`Store::history`] from memory, without blocking: `None` when some of the records asked
+    /// for are older than the tail kept in memory ([`StoreConfig::recent`]).
+    pub fn recent(&self, after: u64, limit: usize) -> Option<Vec<Arc<Committed>>> {
+        self.inner.recent.read().unwrap_or_else(|p| p.into_inner()).after(after, limit)
+    }
+
+    fn history_from_disk(&self, after: u64, limit: usize) -> Result<Vec<Record>, StoreError> {
         let dir = &self.inner.dir;
         let Some(from) = after.checked_add(1) else { return Ok(Vec::new()) };
         let mut lo = vec![P_HISTORY];
@@ -823,7 +864,8 @@ impl Txn<'_> {
         StoreError::Decode { dir: self.dir.to_path_buf(), what, detail: format!("key {key:02x?}") }
     }
 
-    fn apply(&mut self, body: RecordBody) -> Result<Record, StoreError> {
+    /// Applies one record; returns it with its encoded size.
+    fn apply(&mut self, body: RecordBody) -> Result<(Record, u64), StoreError> {
         let cursor = self.counters.newest + 1;
         let record = Record { cursor, incarnation: self.incarnation, body };
         let bytes = encode_record(&record).map_err(|detail| StoreError::Invalid { what: "record", detail })?;
@@ -854,9 +896,10 @@ impl Txn<'_> {
         if self.counters.oldest == 0 {
             self.counters.oldest = cursor;
         }
+        let size = bytes.len() as u64;
         self.put(history_key(cursor), bytes);
         self.trim()?;
-        Ok(record)
+        Ok((record, size))
     }
 
     fn trim(&mut self) -> Result<(), StoreError> {
@@ -1123,6 +1166,39 @@ mod tests {
 
     fn batch(seq: u64, events: Vec<Event>) -> RecordBody {
         RecordBody::Batch { batch: Batch { dp_rank: 0, seq, ts: 0.0, events }, load: None }
+    }
+
+    #[test]
+    fn history_from_memory_is_the_history_on_disk() {
+        let dir = tempfile::tempdir().unwrap();
+        let s = Store::open(StoreConfig {
+            limits: HistoryLimits { max_batches: 20, max_bytes: 1 << 20 },
+            recent: RecentLimits { max_records: 8, max_bytes: 1 << 20 },
+            ..StoreConfig::new(dir.path())
+        })
+        .unwrap();
+        for seq in 0..50 {
+            // Groups of 1 to 3 records, as the committer makes them.
+            let n = 1 + (seq % 3) as usize;
+            s.commit_many((0..n as u64).map(|k| batch(seq * 3 + k, vec![stored(&[seq * 3 + k])])).collect()).unwrap();
+        }
+        let (oldest, newest) = (s.oldest_cursor().unwrap(), s.newest_cursor());
+        assert_eq!((oldest, newest), (newest - 19, 99));
+        let cursors = |v: Vec<Record>| v.iter().map(|r| r.cursor).collect::<Vec<_>>();
+        for after in 0..=newest + 2 {
+            for limit in [1, 3, 100] {
+                let disk = s.history_from_disk(after, limit).unwrap();
+                let want: Vec<u64> = (after.max(oldest - 1) + 1..=newest).take(limit).collect();
+                assert_eq!(cursors(disk.clone()), want, "after {after} limit {limit}");
+                assert_eq!(s.history(after, limit).unwrap(), disk, "after {after} limit {limit}");
+                let shared: Vec<Record> =
+                    s.history_shared(after, limit).unwrap().iter().map(|c| c.record.clone()).collect();
+                assert_eq!(shared, disk, "after {after} limit {limit}");
+                // Memory answers exactly the last 8 records' reads.
+                let in_memory = after + 1 >= newest - 7;
+                assert_eq!(s.recent(after, limit).is_some(), in_memory, "after {after}");
+            }
+        }
     }
 
     #[test]
