@@ -27,7 +27,7 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-use stream::{Start, Subscriber};
+use stream::{Outgoing, Start, Subscriber};
 use tokio::sync::{broadcast, mpsc, watch, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
@@ -278,7 +278,10 @@ impl Relay for RelayService {
             _permit: permit,
         };
         tokio::spawn(sub.run(tx));
-        Ok(Response::new(self.stream_of(rx)))
+        // Queued records are shared with the store's tail: each becomes a message of its own only
+        // when the connection takes it, so a full queue holds no copies.
+        let messages = tokio_stream::StreamExt::map(ReceiverStream::new(rx), |r| r.map(Outgoing::into_message));
+        Ok(Response::new(Box::pin(UntilShutdown::new(messages, self.shutdown.clone()))))
     }
 
     async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

@@ -18,7 +18,7 @@
 use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
 use super::status::{Notice, RelayStatusHandle};
 use super::ServerConfig;
-use crate::store::{SnapshotFilter, Store, StoreError};
+use crate::store::{Committed, SnapshotFilter, Store, StoreError};
 use kv_relay_proto::pb;
 use pb::subscribe_response::Message as M;
 use std::sync::Arc;
@@ -139,6 +139,23 @@ pub(crate) async fn send_snapshot<T>(
     Ok(cursor)
 }
 
+/// What a Subscribe producer queues for its connection.
+pub(crate) enum Outgoing {
+    /// A record, shared with the store's tail and every other subscriber.
+    Record(Arc<Committed>),
+    Message(pb::SubscribeResponse),
+}
+
+impl Outgoing {
+    /// The message to send: a record's is made once per record and copied per subscriber.
+    pub(crate) fn into_message(self) -> pb::SubscribeResponse {
+        match self {
+            Outgoing::Record(c) => c.subscribe_message(|r| record_to_pb(r).into_subscribe()).clone(),
+            Outgoing::Message(m) => m,
+        }
+    }
+}
+
 /// Where a subscription starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Start {
@@ -189,13 +206,13 @@ impl Subscriber {
         self.ranks.as_ref().is_none_or(|r| r.contains(&dp_rank))
     }
 
-    pub(crate) async fn run(mut self, tx: Tx<pb::SubscribeResponse>) {
+    pub(crate) async fn run(mut self, tx: Tx<Outgoing>) {
         self.status.subscriber_opened();
         let _open = Open(self.status.clone());
         let _ = self.produce(&tx).await;
     }
 
-    async fn produce(&mut self, tx: &Tx<pb::SubscribeResponse>) -> Result<(), Stop> {
+    async fn produce(&mut self, tx: &Tx<Outgoing>) -> Result<(), Stop> {
         let mut pos = match self.start {
             Start::After(c) => c,
             Start::Snapshot(reason) => {
@@ -208,12 +225,14 @@ impl Subscriber {
                     tiers: None,
                     include_token_ids: self.snapshot_token_ids,
                 };
-                let wrap = |p| pb::SubscribeResponse {
-                    message: Some(match p {
-                        SnapPart::Begin(b) => M::SnapshotBegin(b),
-                        SnapPart::Chunk(c) => M::SnapshotChunk(c),
-                        SnapPart::End(e) => M::SnapshotEnd(e),
-                    }),
+                let wrap = |p| {
+                    Outgoing::Message(pb::SubscribeResponse {
+                        message: Some(match p {
+                            SnapPart::Begin(b) => M::SnapshotBegin(b),
+                            SnapPart::Chunk(c) => M::SnapshotChunk(c),
+                            SnapPart::End(e) => M::SnapshotEnd(e),
+                        }),
+                    })
                 };
                 send_snapshot(&self.store, filter, self.cfg.snapshot_chunk_blocks, reason, tx, wrap).await?
             }
@@ -245,8 +264,7 @@ impl Subscriber {
                 for c in &records[..n] {
                     pos = c.record.cursor;
                     if self.wants(record_rank(&c.record)) {
-                        let msg = c.subscribe_message(|r| record_to_pb(r).into_subscribe()).clone();
-                        send(tx, Ok(msg)).await?;
+                        send(tx, Ok(Outgoing::Record(c.clone()))).await?;
                         last_sent = Instant::now();
                     }
                 }
@@ -277,7 +295,7 @@ impl Subscriber {
                 Wake::Notice(Ok(Notice::Heartbeat { dp_rank, load })) => {
                     // The ingest sends these only while the rank is quiet: forward each.
                     if self.wants(dp_rank) {
-                        send(tx, Ok(self.heartbeat(dp_rank, load.as_ref().map(load_to_pb)))).await?;
+                        send(tx, Ok(Outgoing::Message(self.heartbeat(dp_rank, load.as_ref().map(load_to_pb))))).await?;
                         last_sent = Instant::now();
                     }
                 }
@@ -286,7 +304,7 @@ impl Subscriber {
                 Wake::Tick => {
                     if last_sent.elapsed() >= interval {
                         for (dp_rank, load) in self.own_heartbeats() {
-                            send(tx, Ok(self.heartbeat(dp_rank, load))).await?;
+                            send(tx, Ok(Outgoing::Message(self.heartbeat(dp_rank, load)))).await?;
                         }
                         last_sent = Instant::now();
                     }
@@ -324,7 +342,7 @@ impl Subscriber {
     }
 
     /// The subscriber fell behind the history: say so, then end with `OUT_OF_RANGE`.
-    async fn resync(&self, tx: &Tx<pb::SubscribeResponse>, pos: u64, oldest: u64) -> Result<(), Stop> {
+    async fn resync(&self, tx: &Tx<Outgoing>, pos: u64, oldest: u64) -> Result<(), Stop> {
         let reason =
             format!("subscriber fell behind the history: it is at cursor {pos}, the oldest record held is {oldest}");
         tracing::info!(pos, oldest, "subscriber told to resync");
@@ -333,7 +351,7 @@ impl Subscriber {
         let msg = pb::SubscribeResponse {
             message: Some(M::Resync(pb::Resync { reason: reason.clone(), after_cursor: pos, oldest_cursor: oldest })),
         };
-        send(tx, Ok(msg)).await?;
+        send(tx, Ok(Outgoing::Message(msg))).await?;
         send(tx, Err(Status::out_of_range(reason))).await?;
         Err(Stop)
     }

@@ -988,6 +988,10 @@ impl Txn<'_> {
                 let tgen = row.ensure_tier(&s.tier);
                 let g = GroupAt { dp_rank: rank, rgen: row.rgen, tier: s.tier.clone(), tgen, group: s.group.idx };
                 let mut parent = s.parent;
+                // The group's totals and the event's namespace count move once per event, not
+                // once per block: the blocks it adds, and the copies (one per block).
+                let mut new_blocks = 0i64;
+                let mut own_namespace = 0i64;
                 for b in &s.blocks {
                     let key = live_key(&g, b.hash).map_err(invalid)?;
                     let mut v = LiveValue {
@@ -1005,17 +1009,22 @@ impl Txn<'_> {
                             self.counters.stored_already_live += 1;
                             if old.namespace != v.namespace {
                                 self.add_namespace(&g, &old.namespace, -1)?;
-                                self.add_namespace(&g, &v.namespace, 1)?;
+                                own_namespace += 1;
                             }
-                            self.add_totals(&g, 0, 1)?;
                         }
                         None => {
-                            self.add_totals(&g, 1, 1)?;
-                            self.add_namespace(&g, &v.namespace, 1)?;
+                            new_blocks += 1;
+                            own_namespace += 1;
                         }
                     }
                     self.put(key, v.encode());
                     parent = Some(b.hash);
+                }
+                if !s.blocks.is_empty() {
+                    self.add_totals(&g, new_blocks, s.blocks.len() as i64)?;
+                }
+                if own_namespace != 0 {
+                    self.add_namespace(&g, &s.namespace, own_namespace)?;
                 }
             }
             Event::Removed(r) => {
@@ -1025,23 +1034,39 @@ impl Txn<'_> {
                     return Ok(());
                 };
                 let g = GroupAt { dp_rank: rank, rgen: row.rgen, tier: r.tier.clone(), tgen, group: r.group };
+                // Totals move once per event; namespaces once per run of blocks in one namespace.
+                let (mut gone_blocks, mut gone_copies) = (0i64, 0i64);
+                let mut gone_ns: Option<(Namespace, i64)> = None;
                 for h in &r.block_hashes {
                     let key = live_key(&g, *h).map_err(invalid)?;
                     match self.get(&key)? {
                         None => self.counters.removed_not_live += 1,
                         Some(v) => {
                             let copies = LiveValue::copies_of(&v).ok_or_else(|| self.bad("live block", &key))?;
+                            gone_copies += 1;
                             if copies > 1 {
                                 self.put(key, LiveValue::with_copies(&v, copies - 1));
-                                self.add_totals(&g, 0, -1)?;
                             } else {
                                 let old = LiveValue::decode(&v, false).ok_or_else(|| self.bad("live block", &key))?;
                                 self.del(key);
-                                self.add_totals(&g, -1, -1)?;
-                                self.add_namespace(&g, &old.namespace, -1)?;
+                                gone_blocks += 1;
+                                match &mut gone_ns {
+                                    Some((ns, n)) if *ns == old.namespace => *n += 1,
+                                    _ => {
+                                        if let Some((ns, n)) = gone_ns.replace((old.namespace, 1)) {
+                                            self.add_namespace(&g, &ns, -n)?;
+                                        }
+                                    }
+                                }
                             }
                         }
                     }
+                }
+                if gone_copies != 0 {
+                    self.add_totals(&g, -gone_blocks, -gone_copies)?;
+                }
+                if let Some((ns, n)) = gone_ns {
+                    self.add_namespace(&g, &ns, -n)?;
                 }
             }
             Event::Cleared(c) => self.clear(rank, c.tier.as_ref()),
