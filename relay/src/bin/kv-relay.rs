@@ -7,9 +7,6 @@ use kv_relay::config_file::{self, LoadError};
 use kv_relay::notify;
 use std::process::ExitCode;
 
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 fn main() -> ExitCode {
     let inv = match config_file::parse(std::env::args_os()) {
         Ok(inv) => inv,
