@@ -214,8 +214,7 @@ pub fn status_table(url: &str, s: &pb::StatusResponse) -> String {
         let (run, wait, kv) = r.load.as_ref().map_or(("-".into(), "-".into(), "-".into()), |l| {
             (format!("{}", l.running), format!("{}", l.waiting), format!("{:.1}%", l.kv_usage * 100.0))
         });
-        let _ = writeln!(
-            o,
+        let line = format!(
             "{:<5} {:<10} {:>9} {:>7} {:>8} {:>8} {:>7}  {}",
             r.dp_rank,
             state_name(r.state),
@@ -226,6 +225,8 @@ pub fn status_table(url: &str, s: &pb::StatusResponse) -> String {
             kv,
             r.reason
         );
+        // No trailing blanks when a rank has no reason.
+        let _ = writeln!(o, "{}", line.trim_end());
     }
     if s.ranks.iter().any(|r| r.hash_check.is_some()) {
         let _ = writeln!(o);
