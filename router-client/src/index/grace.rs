@@ -7,6 +7,7 @@
 //! scheme of user-space RCU; readers only do two atomic read-modify-writes per lookup.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 const STRIPES: usize = 16;
@@ -20,6 +21,8 @@ struct Stripe {
 pub(super) struct Grace {
     epoch: AtomicUsize,
     stripes: Box<[Stripe]>,
+    /// Serialises writers' grace periods (the two-counter scheme allows one at a time).
+    writer: Mutex<()>,
 }
 
 /// A lookup in progress; a writer's [`Grace::synchronize`] waits for it to drop.
@@ -43,7 +46,11 @@ fn stripe_of_thread() -> usize {
 
 impl Default for Grace {
     fn default() -> Self {
-        Self { epoch: AtomicUsize::new(0), stripes: (0..STRIPES).map(|_| Stripe::default()).collect() }
+        Self {
+            epoch: AtomicUsize::new(0),
+            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            writer: Mutex::new(()),
+        }
     }
 }
 
@@ -63,9 +70,10 @@ impl Grace {
         }
     }
 
-    /// Waits until every read-side section entered before this call has ended. Writers call
-    /// this one at a time (under the index's swap lock).
+    /// Waits until every read-side section entered before this call has ended. Concurrent
+    /// callers take turns.
     pub fn synchronize(&self) {
+        let _one = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
         let mut spins = 0u32;
         while self.stripes.iter().any(|s| s.active[old].load(Ordering::SeqCst) != 0) {
