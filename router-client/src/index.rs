@@ -112,7 +112,10 @@
 //!   is still a probe, and its holders are spread over several groups.
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
 //!   free or compact a page (moving up to 16 entries, a probe each). A writer that needs a
-//!   page while only freed ones are left waits one grace period for an eighth of them.
+//!   page while only freed ones are left waits one grace period for them (once an eighth
+//!   of the pages wait; until then it takes a fresh page).
+//! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
+//!   their lookups probe every block.
 
 mod grace;
 mod ids;
@@ -562,15 +565,23 @@ impl PrefixIndex {
             s.pairs.clear();
             s.orphans = 0;
             s.settled = false;
-            // Block 0 alone decides the candidates.
-            self.gather(&tables, &hashes[..1], s);
+            // Block 0 decides the candidates. Block 1 is probed with it (their misses overlap):
+            // unless one pair holds block 0, block 1 is where most candidates drop out.
+            let n = hashes.len();
+            self.gather(&tables, &hashes[..n.min(2)], s);
             self.first_block(seq0, s);
             if s.candidates.is_empty() {
                 return;
             }
             s.alive.extend(0..s.candidates.len() as u32);
-            let n = hashes.len();
             let mut i = 1;
+            if n > 1 && s.pairs.len() > 1 {
+                if !Self::step(1, s.ends[0]..s.ends[1], s) {
+                    Self::emit(n as u32, s, out);
+                    return;
+                }
+                i = 2;
+            }
             while i < n {
                 let pairs = s.pairs.len();
                 if s.orphans == 0 && (pairs == 1 || (s.settled && pairs <= FOLLOW)) {
@@ -667,9 +678,10 @@ impl PrefixIndex {
         }
     }
 
-    /// Candidates: workers holding block 0 (`s.holders`) under their visible tag, by worker.
+    /// Candidates: workers holding block 0 (`s.holders[..s.ends[0]]`) under their visible tag,
+    /// by worker, and the entries of their (worker, tier) pairs.
     fn first_block(&self, seq0: u64, s: &mut Scratch) {
-        let first = &mut s.holders;
+        let first = &mut s.holders[..s.ends[0]];
         first.sort_unstable();
         let mut i = 0;
         while i < first.len() {

@@ -30,8 +30,10 @@ use super::table;
 pub(super) const PAGE: u32 = 64;
 /// Pages per chunk of the pool (a chunk is allocated whole, on first use).
 const CHUNK: usize = 512;
-/// Chunks in the directory: `CHUNKS * CHUNK * PAGE` entries fit in `table::ENTRY_BITS`.
-const CHUNKS: usize = (table::NO_ENTRY as usize) / PAGE as usize / CHUNK;
+/// Chunks in the directory: up to 2^26 entries (64M (holder, block) pairs, about a gigabyte
+/// of index), well within `table::ENTRY_BITS`. Beyond that, new slots get no entry: their
+/// lookups probe block by block, exactly as before.
+const CHUNKS: usize = (1 << 26) / PAGE as usize / CHUNK;
 /// Stripes of the holder cursors (the holder locks).
 const STRIPES: usize = 64;
 
@@ -110,6 +112,8 @@ struct PoolState {
 }
 
 const FREE: u64 = u64::MAX;
+/// The page of a cursor that has none yet.
+const NO_PAGE: u32 = u32::MAX;
 
 /// The pages of every holder.
 pub(super) struct Runs {
@@ -151,24 +155,21 @@ impl Runs {
     /// Writes `hash` as `holder`'s next entry and marks it valid; the caller then publishes
     /// the slot naming it. `NO_ENTRY` when the pool is exhausted (the slot then has none).
     pub fn append(&self, cursors: &mut Cursors, holder: u64, hash: u64, grace: &Grace) -> u32 {
-        let cursor = match cursors.get(&holder) {
-            Some(c) if c.used < PAGE => *c,
-            old => {
-                let old = old.copied();
-                let Some(page) = self.alloc(holder, grace) else {
-                    return table::NO_ENTRY;
-                };
-                if let Some(old) = old {
-                    self.free_if_empty(old.page);
-                }
-                Cursor { page, used: 0 }
+        let cursor = cursors.entry(holder).or_insert(Cursor { page: NO_PAGE, used: PAGE });
+        if cursor.used == PAGE {
+            let Some(page) = self.alloc(holder, grace) else {
+                return table::NO_ENTRY;
+            };
+            if cursor.page != NO_PAGE {
+                self.free_if_empty(cursor.page);
             }
-        };
+            *cursor = Cursor { page, used: 0 };
+        }
         let p = self.page(cursor.page * PAGE).expect("an allocated page exists");
         p.hashes[cursor.used as usize].store(hash, Ordering::Relaxed);
         p.valid.fetch_or(1 << cursor.used, Ordering::Release);
-        cursors.insert(holder, Cursor { page: cursor.page, used: cursor.used + 1 });
-        cursor.page * PAGE + cursor.used
+        cursor.used += 1;
+        cursor.page * PAGE + cursor.used - 1
     }
 
     /// Marks `entry` (of a slot of `holder` that just died, or moved) invalid, freeing its
