@@ -111,9 +111,9 @@
 //!   page of 64 blocks). Runs are followed for few pairs only: a block held by many workers
 //!   is still a probe, and its holders are spread over several groups.
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
-//!   free or compact a page (moving up to 16 entries, a probe each). A writer that needs a
-//!   page while only freed ones are left waits one grace period for them (once an eighth
-//!   of the pages wait; until then it takes a fresh page).
+//!   free or compact a page (moving up to 16 entries, a probe each). Freed pages are
+//!   reused once a grace period has passed; writers start it and never wait for it (they
+//!   take fresh pages meanwhile, so a long lookup costs a little memory, not write time).
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
 

@@ -3,8 +3,10 @@
 //!
 //! Readers count themselves in one of two counters chosen by the parity of a global epoch
 //! (striped over cache lines so reader threads do not share one counter). A writer advances
-//! the epoch and waits until the previous parity's counters drain. This is the two-counter
-//! scheme of user-space RCU; readers only do two atomic read-modify-writes per lookup.
+//! the epoch and waits until the previous parity's counters drain, twice (so readers on
+//! either parity are covered). This is the two-counter scheme of user-space RCU; readers only
+//! do two atomic read-modify-writes per lookup. A writer that must not wait (one reclaiming
+//! run pages) flips with [`Grace::start`] and checks [`Grace::ended`] later.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
@@ -70,20 +72,39 @@ impl Grace {
         }
     }
 
+    /// Flips the epoch without waiting: the parity to pass to [`Grace::ended`]. None if a
+    /// [`Grace::synchronize`] is under way (try again later). A grace period is two flips,
+    /// each followed by its parity draining (readers may sit on either parity).
+    pub fn start(&self) -> Option<usize> {
+        let _one = self.writer.try_lock().ok()?;
+        Some(self.epoch.fetch_add(1, Ordering::SeqCst) & 1)
+    }
+
+    /// True when no read-side section counted on `parity` is open (sections that entered
+    /// later on the same parity only delay the answer). After a flip and this, the readers
+    /// that entered on that parity before the flip are done; after two, every reader.
+    pub fn ended(&self, parity: usize) -> bool {
+        self.stripes.iter().all(|s| s.active[parity].load(Ordering::SeqCst) == 0)
+    }
+
     /// Waits until every read-side section entered before this call has ended. Concurrent
     /// callers take turns.
     pub fn synchronize(&self) {
         let _one = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
-        let mut spins = 0u32;
-        while self.stripes.iter().any(|s| s.active[old].load(Ordering::SeqCst) != 0) {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if spins < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
+        // Two flips: readers that entered before this call are on either parity (an earlier
+        // `start` may have flipped without waiting), and each flip drains one.
+        for _ in 0..2 {
+            let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
+            let mut spins = 0u32;
+            while !self.ended(old) {
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else if spins < 256 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
             }
         }
     }

@@ -17,6 +17,8 @@
 //! entry is written once, before its valid bit is set (`Release`). A page whose entries are all
 //! invalid is freed, but reused (possibly by another holder) only after a grace period, so a
 //! lookup that got an entry from a live slot never reads a page that changed owner under it.
+//! Writers do not wait for that grace period: they start one and check at later allocations
+//! whether it has ended, taking fresh pages meanwhile.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -105,8 +107,13 @@ struct PoolState {
     fresh: u32,
     /// Free pages, reusable now.
     free: Vec<u32>,
-    /// Freed pages waiting for a grace period before reuse.
+    /// Freed pages whose grace period has not started.
     limbo: Vec<u32>,
+    /// Freed pages whose grace period started: reusable once it ends.
+    waiting: Vec<u32>,
+    /// The grace period of `waiting`: the parity its last flip gave, and whether that flip
+    /// was its second (then its end frees `waiting`).
+    pending: Option<(usize, bool)>,
     /// The holder owning each page handed out (`FREE` when free or in limbo).
     owner: Vec<u64>,
 }
@@ -231,18 +238,28 @@ impl Runs {
         }
     }
 
-    /// A page for `holder`: a free one, else a fresh one, else (after a grace period) one
-    /// from limbo.
+    /// A page for `holder`: a free one, else a fresh one. Freed pages become free once a
+    /// grace period that started after they were freed has ended (every lookup that could
+    /// still read them is over); writers never wait for it, they check at each allocation.
     fn alloc(&self, holder: u64, grace: &Grace) -> Option<u32> {
         let mut st = lock(&self.state);
-        if st.free.is_empty() && st.limbo.len() >= (st.fresh as usize / 8).max(1) {
-            // Enough freed pages to be worth a grace period: every lookup that could still
-            // hold an entry of theirs ends first.
-            let limbo = std::mem::take(&mut st.limbo);
-            drop(st);
-            grace.synchronize();
-            st = lock(&self.state);
-            st.free.extend(limbo);
+        match st.pending {
+            Some((parity, second)) if grace.ended(parity) => {
+                if second {
+                    let waiting = std::mem::take(&mut st.waiting);
+                    st.free.extend(waiting);
+                    st.pending = None;
+                } else if let Some(parity) = grace.start() {
+                    st.pending = Some((parity, true));
+                }
+            }
+            _ => {}
+        }
+        if st.pending.is_none() && !st.limbo.is_empty() {
+            if let Some(parity) = grace.start() {
+                st.waiting = std::mem::take(&mut st.limbo);
+                st.pending = Some((parity, false));
+            }
         }
         let page = match st.free.pop() {
             Some(page) => page,
@@ -264,7 +281,7 @@ impl Runs {
     /// Pages owned by holders, and free ones (reusable now or after a grace period).
     pub fn pages(&self) -> (usize, usize) {
         let st = lock(&self.state);
-        let free = st.free.len() + st.limbo.len();
+        let free = st.free.len() + st.limbo.len() + st.waiting.len();
         (st.fresh as usize - free, free)
     }
 
@@ -275,7 +292,7 @@ impl Runs {
         let cursors: usize = self.cursors.iter().map(|c| lock(c).capacity() * (8 + 8 + 8)).sum();
         chunks * CHUNK * std::mem::size_of::<Page>()
             + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[Page]>>>()
-            + (st.owner.capacity() * 8 + (st.free.capacity() + st.limbo.capacity()) * 4)
+            + (st.owner.capacity() * 8 + (st.free.capacity() + st.limbo.capacity() + st.waiting.capacity()) * 4)
             + cursors
             + STRIPES * std::mem::size_of::<Mutex<Cursors>>()
     }
