@@ -41,22 +41,43 @@
 //!
 //! **Storage.** The index is `S` shards (by hash) of an open-addressing multimap
 //! `hash -> holder` (`table.rs`). Every `(worker, tier, hash)` with copies > 0 is one 16-byte
-//! slot, `key = hash`, `val = worker:23 | generation tag:1 | tier:8 | copies:32`, plus one
+//! slot, `key = hash`, `val = worker:23 | generation tag:1 | tier:6 | run entry:28 | copies:6`
+//! (counts of 63 and more live in a small overflow map, and the slot says so), plus one
 //! control byte (a 7-bit fingerprint, SwissTable style; seven per 64-bit group word, whose
 //! eighth byte counts inserts that overflowed the group, so probes usually end at the home
-//! group). Nothing is allocated per block and there are no parent/child links: block hashes
-//! are chained (each encodes its prefix), so a lookup is one probe per request block. The
-//! table is rebuilt to ~60% load when it reaches 7/8, so an indexed block costs 17 bytes /
-//! load: 22-23 bytes measured with 1M blocks (`benches/index.rs`).
+//! group). Block hashes are chained (each encodes its prefix), so the table alone answers a
+//! lookup with one probe per request block. The table is rebuilt to ~72% load when it
+//! reaches 7/8 (live slots plus tombstones).
 //!
-//! **Lock-free lookups.** Lookups take no lock. All slot words are atomics; a writer publishes
-//! a new slot's key and value before its control byte (`Release`), never changes a published
-//! slot's key (a tombstoned slot is reused only for the same hash), and replaces a full table
-//! by building a new one and publishing the shards' table set through an
-//! [`arc_swap::ArcSwap`] (one load per lookup). A lookup therefore sees each slot before or
-//! after any single write, never a torn one. A lookup is memory-bound (a random cache line or
-//! two per block), so it first touches the home groups of the next 8 blocks, then reads them:
-//! their cache misses overlap instead of queueing.
+//! **Runs: lookups walk contiguous memory.** A probe per block is a random cache miss or two,
+//! and a long request (100-250 blocks) paid one per block where a compressed radix tree
+//! compares a contiguous edge. So each holder `(worker, tag, tier)` also keeps its blocks in
+//! the order they were stored, in pages of 64 hashes (`runs.rs`): a store appends its new
+//! blocks to the holder's current page, and each new slot records its position (its
+//! *entry*). A page has one `valid` word; an entry's bit is set exactly while its slot is
+//! live, so a valid entry proves that its holder holds its hash. After block 0 (one probe:
+//! the candidates, and each (worker, tier) pair's entry), while few pairs are left (at most
+//! 8) and going on together, a lookup reads each pair's next page entries and advances as
+//! long as every pair's entries are valid and equal the request's next hashes: the blocks of
+//! one stored event cost a sequential scan, not a probe each. Where a pair's run stops (a
+//! removal in the middle, another event's blocks, the page's end, a block held in another
+//! tier), the lookup probes that one block, which answers exactly for every pair and gives
+//! their next entries. Nothing is inferred from a mismatch, so any store order, hashes that
+//! are not chained, the same hash in several runs, or parents held by other workers stay
+//! exact; they only cost probes. With many pairs (a popular prefix) it probes as before: one
+//! block at a time while they drop out, then windows of 8 blocks whose cache misses overlap
+//! (it touches their home groups before reading any). Pages whose entries all died are freed
+//! and reused after a grace period (so no lookup reads a page that changed owner under it);
+//! a page left a quarter full by removals is compacted (its live entries move, in order, to
+//! the holder's current page). Cost: 8 bytes per (holder, block) plus page slack.
+//!
+//! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
+//! writer publishes a new slot's key and value before its control byte (`Release`), never
+//! changes a published slot's key (a tombstoned slot is reused only for the same hash),
+//! writes a page entry before setting its valid bit and clears the bit only after its slot
+//! died or moved, and replaces a full table by building a new one and publishing the shards'
+//! table set through an [`arc_swap::ArcSwap`] (one load per lookup). A lookup therefore sees
+//! each slot and entry before or after any single write, never a torn one.
 //!
 //! **Atomic snapshot replace.** Each worker has a one-bit generation tag; entries carry the tag
 //! they were written with, and a lookup only counts a worker's entries whose tag is the one it
@@ -69,8 +90,9 @@
 //! mix. `clear(worker, None)` and `remove_worker` are replaces with an empty state, so they are
 //! atomic too.
 //!
-//! **Writers** serialise per shard (a mutex per shard) and, for replaces, on one swap lock;
-//! a per-worker stripe lock keeps incremental writes of a worker out of its replace.
+//! **Writers** serialise per shard (a mutex per shard), per holder (a striped lock over the
+//! holders' page cursors) and, for replaces, on one swap lock; a per-worker stripe lock keeps
+//! incremental writes of a worker out of its replace.
 //! Incremental operations are atomic per block, not per call: a lookup racing a
 //! `store(w, t, [a, b])`, a `remove` or a `clear(w, Some(tier))` may see part of it.
 //!
@@ -84,15 +106,22 @@
 //!   them: cost grows with the number of holders of a block, which is what the answer lists.
 //! - Tombstones linger until the shard's next rebuild (they only cost probe length).
 //! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
-//! - No locality between a request's blocks: each block is a random probe (two or three cache
-//!   lines and usually a TLB miss on a large index), where a radix tree whose nodes were
-//!   allocated in insertion order walks mostly adjacent memory. Lookups are memory-bound; the
-//!   8-block touch-ahead overlaps the misses but does not remove them.
+//! - Runs follow store order, not request order: a conversation whose turns were stored as
+//!   separate events is one run per turn, so its lookup probes once per turn (and once per
+//!   page of 64 blocks). Runs are followed for few pairs only: a block held by many workers
+//!   is still a probe, and its holders are spread over several groups.
+//! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
+//!   free or compact a page (moving up to 16 entries, a probe each). Freed pages are
+//!   reused once a grace period has passed; writers start it and never wait for it (they
+//!   take fresh pages meanwhile, so a long lookup costs a little memory, not write time).
+//! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
+//!   their lookups probe every block.
 
 mod grace;
 mod ids;
 pub mod reference;
 mod result;
+mod runs;
 mod snapshot;
 mod table;
 
@@ -108,7 +137,8 @@ pub use result::{LookupResult, TierRun, WorkerMatch};
 pub use snapshot::StagedSnapshot;
 
 use grace::Grace;
-use table::{Added, Probe, Table};
+use runs::{Cursors, Runs, PAGE};
+use table::{Added, Overflow, Probe, Subbed, Table};
 
 /// Construction parameters of a [`PrefixIndex`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -150,6 +180,8 @@ pub struct IndexStats {
     pub saturated_stores: u64,
     /// Completed [`PrefixIndex::replace_worker`] calls (including clears and removals).
     pub replaces: u64,
+    /// Pages of the holders' runs: in use, and free (reusable now or after a grace period).
+    pub run_pages: (usize, usize),
 }
 
 /// One shard's writer lock, holding the shard's current table (the one also published in
@@ -204,6 +236,10 @@ pub struct PrefixIndex {
     /// Number of completed tag flips; stamped into the flipped worker's generation word.
     swap_seq: AtomicU64,
     grace: Grace,
+    /// Each holder's blocks in store order, for lookups that walk a matched run.
+    runs: Runs,
+    /// Copy counts too large for their slot.
+    overflow: Overflow,
     /// Serialises replaces (tag flips and grace periods).
     swap: Mutex<()>,
     /// Read by incremental writers of a worker, written by that worker's replace.
@@ -249,12 +285,25 @@ struct Scratch {
     holders: Vec<u64>,
     ends: [usize; WINDOW],
     candidates: Vec<Candidate>,
+    /// Indexes of the candidates whose run goes on (a block costs O(its holders + these),
+    /// not O(all candidates): after a popular first block most candidates drop out at once).
+    alive: Vec<u32>,
+    /// For every alive (candidate, tier): the entry of its slot of the last block matched.
+    pairs: Vec<u32>,
+    /// Alive candidates with no alive tier (their run goes on in tiers that did not hold
+    /// block 0): only a probe tells whether they hold the next block.
+    orphans: usize,
+    /// The last block probed ended no run: the pairs left are likely to go on together.
+    settled: bool,
     /// `(candidate, tier, run)` as runs end.
     runs: Vec<(u32, u8, u32)>,
 }
 
 /// Blocks whose first cache lines a lookup loads before using any (see `Table::touch`).
 const WINDOW: usize = 8;
+/// Most alive (candidate, tier) pairs a lookup follows through their runs; with more, it
+/// probes (one probe serves every holder of a block).
+const FOLLOW: usize = 8;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
@@ -278,6 +327,8 @@ impl PrefixIndex {
             gens: Generations { chunks: [const { OnceLock::new() }; 14] },
             swap_seq: AtomicU64::new(0),
             grace: Grace::default(),
+            runs: Runs::default(),
+            overflow: Overflow::default(),
             swap: Mutex::new(()),
             worker_locks: (0..WORKER_STRIPES).map(|_| RwLock::new(())).collect(),
             workers: WorkerInterner::default(),
@@ -336,15 +387,17 @@ impl PrefixIndex {
         &self.worker_locks[worker.get() as usize % WORKER_STRIPES]
     }
 
-    /// Adds copies under the shard's lock, rebuilding the shard's table when it is full.
-    fn add(&self, p: &Probe, holder: u64, copies: u32) {
+    /// Adds copies under the shard's lock, rebuilding the shard's table when it is full. A
+    /// new slot gets the holder's next run entry. `cursors` is the holder's lock.
+    fn add(&self, p: &Probe, holder: u64, copies: u32, cursors: &mut Cursors) {
         let s = p.shard(self.shard_mask);
         let mut table = lock(&self.shard_locks[s].0);
-        let added = match table.add(p, holder, copies) {
+        let mut entry = || self.runs.append(cursors, holder, p.hash, &self.grace);
+        let added = match table.add(p, holder, copies, &mut entry, &self.overflow) {
             Added::Done { saturated } => saturated,
             Added::Full => {
                 let bigger = table.rebuilt(1);
-                let Added::Done { saturated } = bigger.add(p, holder, copies) else {
+                let Added::Done { saturated } = bigger.add(p, holder, copies, &mut entry, &self.overflow) else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
                 };
                 self.publish(s, &mut table, bigger);
@@ -360,7 +413,7 @@ impl PrefixIndex {
     fn remove_where(&self, drop: impl Fn(u64) -> bool) {
         for (s, shard_lock) in self.shard_locks.iter().enumerate() {
             let mut table = lock(&shard_lock.0);
-            if table.remove_where(&drop) > 0 && table.wants_compaction() {
+            if table.remove_where(&drop, &self.overflow) > 0 && table.wants_compaction() {
                 let smaller = table.rebuilt(0);
                 self.publish(s, &mut table, smaller);
             }
@@ -372,12 +425,13 @@ impl PrefixIndex {
         let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
+        let mut cursors = self.runs.lock(holder);
         for chunk in hashes.chunks(WINDOW) {
             let probes = Self::probes(chunk);
             let probes = &probes[..chunk.len()];
             Self::touch(&self.tables.load(), self.shard_mask, probes);
             for p in probes {
-                self.add(p, holder, 1);
+                self.add(p, holder, 1, &mut cursors);
             }
         }
     }
@@ -389,20 +443,44 @@ impl PrefixIndex {
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut out = RemoveOutcome::default();
+        let mut cursors = self.runs.lock(holder);
         for chunk in hashes.chunks(WINDOW) {
             let probes = Self::probes(chunk);
             let probes = &probes[..chunk.len()];
             Self::touch(&self.tables.load(), self.shard_mask, probes);
             for p in probes {
-                if lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder) {
-                    out.removed += 1;
-                } else {
-                    out.missing += 1;
+                let subbed = lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder, &self.overflow);
+                match subbed {
+                    Subbed::Taken => out.removed += 1,
+                    Subbed::Died { entry } => {
+                        out.removed += 1;
+                        if let Some(sparse) = self.runs.invalidate(&cursors, holder, entry) {
+                            self.compact(&mut cursors, holder, sparse);
+                        }
+                    }
+                    Subbed::Missing => out.missing += 1,
                 }
             }
         }
         self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
         out
+    }
+
+    /// Moves the valid entries of `holder`'s sparse `page` to its current page (in order, so
+    /// runs stay runs), so that the page is freed instead of holding a few live entries.
+    /// `cursors` is the holder's lock.
+    fn compact(&self, cursors: &mut Cursors, holder: u64, page: u32) {
+        for (old, hash) in self.runs.valid_entries(page) {
+            let p = Probe::new(hash);
+            let table = lock(&self.shard_locks[p.shard(self.shard_mask)].0);
+            let entry = self.runs.append(cursors, holder, hash, &self.grace);
+            // Both entries are valid while the slot moves: either proves the block is held.
+            let moved = table.move_entry(&p, holder, old, entry);
+            drop(table);
+            let stale = if moved { old } else { entry };
+            debug_assert!(moved, "a valid entry is its slot's entry");
+            self.runs.invalidate(cursors, holder, stale);
+        }
     }
 
     /// Drops all of a worker's blocks (`tier: None`, atomically, like an empty
@@ -416,7 +494,10 @@ impl PrefixIndex {
         let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
+        let mut cursors = self.runs.lock(holder);
         self.remove_where(|v| v & table::HOLDER == holder);
+        self.runs.drop_pages(|h| h == holder);
+        cursors.remove(&holder);
     }
 
     /// Drops every block of a worker, atomically. Its id stays interned.
@@ -438,7 +519,7 @@ impl PrefixIndex {
         for &(tier, h, copies) in snapshot.entries() {
             if copies > 0 {
                 let holder = table::holder(worker.get(), new_tag, tier.get());
-                self.add(&Probe::new(h), holder, copies);
+                self.add(&Probe::new(h), holder, copies, &mut self.runs.lock(holder));
             }
         }
         // 2. Flip. Lookups that read `swap_seq` before this store keep the old tag.
@@ -447,9 +528,14 @@ impl PrefixIndex {
         self.swap_seq.store(seq, Ordering::SeqCst);
         // 3. Wait for lookups that may still count the old tag.
         self.grace.synchronize();
-        // 4. Delete the old state.
+        // 4. Delete the old state, and its runs (no lookup reads them any more).
         let old = ((worker.get() as u64) << 1) | old_tag;
         self.remove_where(|v| v >> 40 == old);
+        self.runs.drop_pages(|h| h >> 40 == old);
+        for tier in 0..64 {
+            let holder = table::holder(worker.get(), old_tag, tier);
+            self.runs.lock(holder).remove(&holder);
+        }
         self.replaces.fetch_add(1, Ordering::Relaxed);
     }
 
@@ -475,30 +561,90 @@ impl PrefixIndex {
             let s = &mut *s.borrow_mut();
             s.candidates.clear();
             s.runs.clear();
-            // Block 0 alone (it decides the candidates), then windows of WINDOW blocks whose
-            // cache misses overlap.
-            self.gather(&tables, &hashes[..1], s);
+            s.alive.clear();
+            s.pairs.clear();
+            s.orphans = 0;
+            s.settled = false;
+            // Block 0 decides the candidates. Block 1 is probed with it (their misses overlap):
+            // unless one pair holds block 0, block 1 is where most candidates drop out.
+            let n = hashes.len();
+            self.gather(&tables, &hashes[..n.min(2)], s);
             self.first_block(seq0, s);
             if s.candidates.is_empty() {
                 return;
             }
+            s.alive.extend(0..s.candidates.len() as u32);
             let mut i = 1;
-            while i < hashes.len() {
-                let window = &hashes[i..hashes.len().min(i + WINDOW)];
+            if n > 1 && s.pairs.len() > 1 {
+                if !Self::step(1, s.ends[0]..s.ends[1], s) {
+                    Self::emit(n as u32, s, out);
+                    return;
+                }
+                i = 2;
+            }
+            while i < n {
+                let pairs = s.pairs.len();
+                if s.orphans == 0 && (pairs == 1 || (s.settled && pairs <= FOLLOW)) {
+                    // Few holders left, and going on together: follow their runs while every
+                    // one goes on, then probe the block where one stops (or its page ends).
+                    i += self.follow(&hashes[i..], &mut s.pairs);
+                    if i == n {
+                        break;
+                    }
+                    self.gather(&tables, &hashes[i..=i], s);
+                    if !Self::step(i, 0..s.ends[0], s) {
+                        Self::emit(n as u32, s, out);
+                        return;
+                    }
+                    i += 1;
+                    continue;
+                }
+                // Many holders: probe windows of WINDOW blocks whose cache misses overlap; one
+                // block while they are dropping out (block 1 after a popular block 0), as
+                // the next block may end them all.
+                let window = &hashes[i..n.min(i + if s.settled { WINDOW } else { 1 })];
                 self.gather(&tables, window, s);
                 let mut from = 0;
                 for k in 0..window.len() {
                     let to = s.ends[k];
-                    if !Self::step(i + k, &s.holders[from..to], &mut s.candidates, &mut s.runs) {
-                        Self::emit(hashes.len() as u32, s, out);
+                    if !Self::step(i + k, from..to, s) {
+                        Self::emit(n as u32, s, out);
                         return;
                     }
                     from = to;
                 }
                 i += window.len();
             }
-            Self::emit(hashes.len() as u32, s, out);
+            Self::emit(n as u32, s, out);
         });
+    }
+
+    /// Follows every alive (candidate, tier) through its holder's run: the number of blocks
+    /// of `hashes` that every one of them holds by its run alone (each pair's entry moves on
+    /// by as many). 0 when one of them cannot go on that way.
+    fn follow(&self, hashes: &[u64], pairs: &mut [u32]) -> usize {
+        if pairs.len() > 1 {
+            // Load every page's first line before comparing any: their misses overlap.
+            let mut sink = 0;
+            for &entry in pairs.iter() {
+                sink ^= self.runs.page(entry).map_or(0, |p| p.touch(entry % PAGE + 1));
+            }
+            std::hint::black_box(sink);
+        }
+        let mut m = hashes.len();
+        for &entry in pairs.iter() {
+            let Some(page) = self.runs.page(entry) else {
+                return 0;
+            };
+            m = page.matching(entry % PAGE + 1, &hashes[..m]);
+            if m == 0 {
+                return 0;
+            }
+        }
+        for entry in pairs.iter_mut() {
+            *entry += m as u32;
+        }
+        m
     }
 
     /// The tag a lookup that started at `seq0` counts for `worker`.
@@ -532,9 +678,10 @@ impl PrefixIndex {
         }
     }
 
-    /// Candidates: workers holding block 0 (`s.holders`) under their visible tag, by worker.
+    /// Candidates: workers holding block 0 (`s.holders[..s.ends[0]]`) under their visible tag,
+    /// by worker, and the entries of their (worker, tier) pairs.
     fn first_block(&self, seq0: u64, s: &mut Scratch) {
-        let first = &mut s.holders;
+        let first = &mut s.holders[..s.ends[0]];
         first.sort_unstable();
         let mut i = 0;
         while i < first.len() {
@@ -543,7 +690,8 @@ impl PrefixIndex {
             let mut tiers = 0u64;
             while i < first.len() && table::worker_of(first[i]) == worker {
                 if table::tag_of(first[i]) == tag {
-                    tiers |= 1 << (table::tier_of(first[i]) & 63);
+                    tiers |= 1 << table::tier_of(first[i]);
+                    s.pairs.push(table::entry_of(first[i]));
                 }
                 i += 1;
             }
@@ -553,11 +701,16 @@ impl PrefixIndex {
         }
     }
 
-    /// Applies block `i`'s holders to the candidates; false once no candidate's run goes on.
-    fn step(i: usize, holders: &[u64], candidates: &mut [Candidate], runs: &mut Vec<(u32, u8, u32)>) -> bool {
-        for c in candidates.iter_mut() {
-            c.seen = 0;
+    /// Applies block `i`'s holders (`s.holders[holders]`) to the candidates still alive (dropping those whose run
+    /// ended) and notes the entries of the (candidate, tier) pairs that go on; false once no
+    /// candidate goes on.
+    fn step(i: usize, holders: std::ops::Range<usize>, s: &mut Scratch) -> bool {
+        let Scratch { holders: all, candidates, alive, runs, pairs, orphans, settled, .. } = s;
+        let holders = &all[holders];
+        for &k in alive.iter() {
+            candidates[k as usize].seen = 0;
         }
+        pairs.clear();
         for &v in holders {
             let worker = table::worker_of(v);
             let found = if candidates.len() <= 8 {
@@ -567,29 +720,36 @@ impl PrefixIndex {
             };
             if let Some(c) = found.map(|k| &mut candidates[k]) {
                 if !c.done && table::tag_of(v) == c.tag {
-                    c.seen |= 1 << (table::tier_of(v) & 63);
+                    let bit = 1 << table::tier_of(v);
+                    c.seen |= bit;
+                    if c.alive & bit != 0 {
+                        pairs.push(table::entry_of(v));
+                    }
                 }
             }
         }
-        let mut going = false;
-        for (k, c) in candidates.iter_mut().enumerate() {
-            if c.done {
-                continue;
-            }
+        *orphans = 0;
+        let ended = runs.len();
+        let before = alive.len();
+        alive.retain(|&k| {
+            let c = &mut candidates[k as usize];
             let mut ended = c.alive & !c.seen;
             while ended != 0 {
-                runs.push((k as u32, ended.trailing_zeros() as u8, i as u32));
+                runs.push((k, ended.trailing_zeros() as u8, i as u32));
                 ended &= ended - 1;
             }
             c.alive &= c.seen;
             if c.seen == 0 {
                 c.done = true;
                 c.blocks = i as u32;
+                false
             } else {
-                going = true;
+                *orphans += (c.alive == 0) as usize;
+                true
             }
-        }
-        going
+        });
+        *settled = runs.len() == ended && alive.len() == before;
+        !alive.is_empty()
     }
 
     fn emit(len: u32, s: &mut Scratch, out: &mut LookupResult) {
@@ -628,13 +788,25 @@ impl PrefixIndex {
         let seq0 = self.swap_seq.load(Ordering::SeqCst);
         let holder = table::holder(worker.get(), self.visible_tag(worker.get(), seq0), tier.get());
         let p = Probe::new(hash);
-        let mut copies = 0;
-        self.tables.load()[p.shard(self.shard_mask)].for_each(&p, |v| {
-            if v & table::HOLDER == holder {
-                copies = (v & table::COPIES) as u32;
+        let find = || {
+            let mut found = None;
+            self.tables.load()[p.shard(self.shard_mask)].for_each(&p, |v| {
+                if v & table::HOLDER == holder {
+                    found = Some(v);
+                }
+            });
+            found
+        };
+        match find() {
+            None => 0,
+            Some(v) if !Overflow::is_many(v) => self.overflow.copies(hash, v, None),
+            Some(_) => {
+                // A count in the overflow map: read the slot again with the map locked, so
+                // the two agree.
+                let many = self.overflow.lock();
+                find().map_or(0, |v| self.overflow.copies(hash, v, Some(&many)))
             }
-        });
-        copies
+        }
     }
 
     /// Every block `worker` holds: per tier, each hash with its copy count (no entry has 0
@@ -650,11 +822,13 @@ impl PrefixIndex {
         let seq0 = self.swap_seq.load(Ordering::SeqCst);
         let mine = ((worker.get() as u64) << 1) | self.visible_tag(worker.get(), seq0);
         let mut out: BTreeMap<TierId, BTreeMap<u64, u32>> = BTreeMap::new();
+        // Held throughout, so that slots saying their count is in the map agree with it.
+        let many = self.overflow.lock();
         for t in self.tables.load().iter() {
             t.for_each_entry(|hash, v| {
                 if v >> 40 == mine {
                     let tier = TierId::new(table::tier_of(v)).expect("packed tier ids are valid");
-                    out.entry(tier).or_default().insert(hash, (v & table::COPIES) as u32);
+                    out.entry(tier).or_default().insert(hash, self.overflow.copies(hash, v, Some(&many)));
                 }
             });
         }
@@ -667,6 +841,7 @@ impl PrefixIndex {
             missing_removes: self.missing_removes.load(Ordering::Relaxed),
             saturated_stores: self.saturated_stores.load(Ordering::Relaxed),
             replaces: self.replaces.load(Ordering::Relaxed),
+            run_pages: self.runs.pages(),
             ..IndexStats::default()
         };
         for t in self.tables.load().iter() {
@@ -687,6 +862,11 @@ impl PrefixIndex {
             .iter()
             .map(|t| std::mem::size_of::<ShardLock>() + std::mem::size_of::<Arc<Table>>() + 16 + t.bytes())
             .sum();
-        std::mem::size_of::<Self>() + shards + self.gens.bytes() + WORKER_STRIPES * std::mem::size_of::<RwLock<()>>()
+        std::mem::size_of::<Self>()
+            + shards
+            + self.gens.bytes()
+            + WORKER_STRIPES * std::mem::size_of::<RwLock<()>>()
+            + self.runs.bytes()
+            + self.overflow.bytes()
     }
 }

@@ -3,10 +3,13 @@
 //!
 //! Readers count themselves in one of two counters chosen by the parity of a global epoch
 //! (striped over cache lines so reader threads do not share one counter). A writer advances
-//! the epoch and waits until the previous parity's counters drain. This is the two-counter
-//! scheme of user-space RCU; readers only do two atomic read-modify-writes per lookup.
+//! the epoch and waits until the previous parity's counters drain, twice (so readers on
+//! either parity are covered). This is the two-counter scheme of user-space RCU; readers only
+//! do two atomic read-modify-writes per lookup. A writer that must not wait (one reclaiming
+//! run pages) flips with [`Grace::start`] and checks [`Grace::ended`] later.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 const STRIPES: usize = 16;
@@ -20,6 +23,8 @@ struct Stripe {
 pub(super) struct Grace {
     epoch: AtomicUsize,
     stripes: Box<[Stripe]>,
+    /// Serialises writers' grace periods (the two-counter scheme allows one at a time).
+    writer: Mutex<()>,
 }
 
 /// A lookup in progress; a writer's [`Grace::synchronize`] waits for it to drop.
@@ -43,7 +48,11 @@ fn stripe_of_thread() -> usize {
 
 impl Default for Grace {
     fn default() -> Self {
-        Self { epoch: AtomicUsize::new(0), stripes: (0..STRIPES).map(|_| Stripe::default()).collect() }
+        Self {
+            epoch: AtomicUsize::new(0),
+            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            writer: Mutex::new(()),
+        }
     }
 }
 
@@ -63,19 +72,39 @@ impl Grace {
         }
     }
 
-    /// Waits until every read-side section entered before this call has ended. Writers call
-    /// this one at a time (under the index's swap lock).
+    /// Flips the epoch without waiting: the parity to pass to [`Grace::ended`]. None if a
+    /// [`Grace::synchronize`] is under way (try again later). A grace period is two flips,
+    /// each followed by its parity draining (readers may sit on either parity).
+    pub fn start(&self) -> Option<usize> {
+        let _one = self.writer.try_lock().ok()?;
+        Some(self.epoch.fetch_add(1, Ordering::SeqCst) & 1)
+    }
+
+    /// True when no read-side section counted on `parity` is open (sections that entered
+    /// later on the same parity only delay the answer). After a flip and this, the readers
+    /// that entered on that parity before the flip are done; after two, every reader.
+    pub fn ended(&self, parity: usize) -> bool {
+        self.stripes.iter().all(|s| s.active[parity].load(Ordering::SeqCst) == 0)
+    }
+
+    /// Waits until every read-side section entered before this call has ended. Concurrent
+    /// callers take turns.
     pub fn synchronize(&self) {
-        let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
-        let mut spins = 0u32;
-        while self.stripes.iter().any(|s| s.active[old].load(Ordering::SeqCst) != 0) {
-            spins += 1;
-            if spins < 64 {
-                std::hint::spin_loop();
-            } else if spins < 256 {
-                std::thread::yield_now();
-            } else {
-                std::thread::sleep(Duration::from_micros(20));
+        let _one = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        // Two flips: readers that entered before this call are on either parity (an earlier
+        // `start` may have flipped without waiting), and each flip drains one.
+        for _ in 0..2 {
+            let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
+            let mut spins = 0u32;
+            while !self.ended(old) {
+                spins += 1;
+                if spins < 64 {
+                    std::hint::spin_loop();
+                } else if spins < 256 {
+                    std::thread::yield_now();
+                } else {
+                    std::thread::sleep(Duration::from_micros(20));
+                }
             }
         }
     }

@@ -8,8 +8,11 @@
 //! (a multimap): a lookup walks the groups from the key's home group and stops after the first
 //! group whose overflow count is 0, usually the home group itself even when it is full.
 //!
-//! `val` packs one holder: `worker:23 | tag:1 | tier:8 | copies:32` (high to low bits); the
-//! all-ones value `TOMB` marks a removed holder.
+//! `val` packs one holder and its slot's state: `worker:23 | tag:1 | tier:6 | entry:28 |
+//! copies:6` (high to low bits). `entry` names the slot's entry in its holder's pages
+//! (`runs.rs`; `NO_ENTRY` if none); `copies` is the copy count, or `MANY` when the count is
+//! 63 or more and kept in the [`Overflow`] map instead. The all-ones value `TOMB` marks a
+//! removed holder.
 //!
 //! Invariants that make lock-free reads sound (all writers hold the shard's mutex):
 //! - A control byte only ever goes `EMPTY -> fingerprint`, published with `Release` after the
@@ -23,14 +26,24 @@
 //! - A table never gets fuller than 7/8 (live + tombstones), and a group that still has an
 //!   `EMPTY` slot was never full, so its overflow count is 0: every probe ends.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 /// The value of a removed holder. Never a live value: worker ids stop below 2^23 - 1.
 pub(super) const TOMB: u64 = u64::MAX;
-/// Mask of the `copies` bits of a packed value.
-pub(super) const COPIES: u64 = 0xffff_ffff;
+/// Mask of the `copies` field of a packed value.
+const COPIES: u64 = 0x3f;
+/// The `copies` field of a holder with 63 copies or more: the count is in the [`Overflow`].
+const MANY: u64 = COPIES;
+const ENTRY_SHIFT: u32 = 6;
+/// Bits of an entry id.
+pub(super) const ENTRY_BITS: u32 = 28;
+/// The entry id of a slot without an entry.
+pub(super) const NO_ENTRY: u32 = (1 << ENTRY_BITS) - 1;
+const ENTRY: u64 = (NO_ENTRY as u64) << ENTRY_SHIFT;
 /// Mask of the holder bits (worker, tag, tier) of a packed value.
-pub(super) const HOLDER: u64 = !COPIES;
+pub(super) const HOLDER: u64 = !(COPIES | ENTRY);
 
 /// Slots per group (the control word's eighth byte is the overflow count).
 const GROUP: usize = 7;
@@ -42,9 +55,9 @@ const EMPTY_WORD: u64 = HI;
 const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
 
-/// Packs a holder (without copies).
+/// Packs a holder (without entry and copies).
 pub(super) const fn holder(worker: u32, tag: u64, tier: u8) -> u64 {
-    ((worker as u64) << 41) | (tag << 40) | ((tier as u64) << 32)
+    ((worker as u64) << 41) | (tag << 40) | (((tier & 63) as u64) << 34)
 }
 
 /// Worker id of a packed value.
@@ -59,7 +72,47 @@ pub(super) const fn tag_of(v: u64) -> u64 {
 
 /// Tier id of a packed value.
 pub(super) const fn tier_of(v: u64) -> u8 {
-    (v >> 32) as u8
+    ((v >> 34) & 63) as u8
+}
+
+/// Entry id of a packed value (`NO_ENTRY` if none).
+pub(super) const fn entry_of(v: u64) -> u32 {
+    ((v & ENTRY) >> ENTRY_SHIFT) as u32
+}
+
+/// Copy counts of 63 or more, by `(hash, holder)`: their slots say `MANY`. Changed only with
+/// the lock held, together with the slot, so a reader holding it sees the two agree.
+#[derive(Default)]
+pub(super) struct Overflow(Mutex<HashMap<(u64, u64), u32>>);
+
+pub(super) type OverflowGuard<'a> = MutexGuard<'a, HashMap<(u64, u64), u32>>;
+
+impl Overflow {
+    pub fn lock(&self) -> OverflowGuard<'_> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Copies of the live value `v` of `hash`: its field, or from the map (`many`, the locked
+    /// map; locked here if `None`).
+    pub fn copies(&self, hash: u64, v: u64, many: Option<&OverflowGuard<'_>>) -> u32 {
+        if v & COPIES != MANY {
+            return (v & COPIES) as u32;
+        }
+        let key = (hash, v & HOLDER);
+        match many {
+            Some(m) => m.get(&key).copied().unwrap_or(0),
+            None => self.lock().get(&key).copied().unwrap_or(0),
+        }
+    }
+
+    /// True if `v` keeps its count here.
+    pub fn is_many(v: u64) -> bool {
+        v & COPIES == MANY
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.lock().capacity() * 24
+    }
 }
 
 /// Where a block hash lives: computed once per hash from a strong mix of it.
@@ -117,6 +170,17 @@ struct Slot {
     val: AtomicU64,
 }
 
+/// Outcome of [`Table::sub`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Subbed {
+    /// One copy taken; the holder still has some.
+    Taken,
+    /// The last copy taken: the slot is gone, and with it its entry.
+    Died { entry: u32 },
+    /// The holder had no copy.
+    Missing,
+}
+
 /// Outcome of [`Table::add`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Added {
@@ -136,9 +200,9 @@ pub(super) struct Table {
 }
 
 impl Table {
-    /// A table sized so that `live` entries fill it to about 60%.
+    /// A table sized so that `live` entries fill it to about 72%.
     pub fn for_entries(live: usize) -> Self {
-        let slots = live.saturating_mul(5) / 3;
+        let slots = live.saturating_mul(25) / 18;
         Self::with_groups((slots / GROUP + 1).max(MIN_GROUPS))
     }
 
@@ -239,9 +303,17 @@ impl Table {
         })
     }
 
-    /// Adds `copies` (> 0) to `holder` under `p.hash`. Caller holds the shard's mutex.
-    pub fn add(&self, p: &Probe, holder: u64, copies: u32) -> Added {
-        debug_assert!(copies > 0 && holder & COPIES == 0);
+    /// Adds `copies` (> 0) to `holder` under `p.hash`. A new slot gets `entry()` as its entry
+    /// (called at most once, only when a slot is created). Caller holds the shard's mutex.
+    pub fn add(
+        &self,
+        p: &Probe,
+        holder: u64,
+        copies: u32,
+        entry: &mut dyn FnMut() -> u32,
+        overflow: &Overflow,
+    ) -> Added {
+        debug_assert!(copies > 0 && holder & !HOLDER == 0);
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
         let mut g = p.home(groups);
@@ -260,9 +332,10 @@ impl Table {
                 if v == TOMB {
                     reuse.get_or_insert(i);
                 } else if v & HOLDER == holder {
-                    let sum = (v & COPIES) + copies as u64;
-                    let saturated = sum > COPIES;
-                    slot.val.store(holder | sum.min(COPIES), Ordering::Release);
+                    let old = overflow.copies(p.hash, v, None) as u64;
+                    let sum = old + copies as u64;
+                    let saturated = sum > u32::MAX as u64;
+                    Self::set_copies(slot, p.hash, v, sum.min(u32::MAX as u64) as u32, overflow);
                     return Added::Done { saturated };
                 }
             }
@@ -274,17 +347,45 @@ impl Table {
                 g = 0;
             }
         }
+        if reuse.is_none() && self.live() + self.tombs() + 1 > self.max_used() {
+            return Added::Full;
+        }
+        let v = holder | ((entry() as u64) << ENTRY_SHIFT);
+        let v = Self::fresh_copies(p.hash, v, copies, overflow);
         if let Some(i) = reuse {
-            self.slots[i].val.store(holder | copies as u64, Ordering::Release);
+            self.slots[i].val.store(v, Ordering::Release);
             self.tombs.fetch_sub(1, Ordering::Relaxed);
             self.live.fetch_add(1, Ordering::Relaxed);
             return Added::Done { saturated: false };
         }
-        if self.live() + self.tombs() + 1 > self.max_used() {
-            return Added::Full;
-        }
-        self.place(p, holder | copies as u64, Ordering::Release);
+        self.place(p, v, Ordering::Release);
         Added::Done { saturated: false }
+    }
+
+    /// `v` (copies field 0) with `copies` (> 0), recording a large count in the overflow map.
+    fn fresh_copies(hash: u64, v: u64, copies: u32, overflow: &Overflow) -> u64 {
+        if (copies as u64) < MANY {
+            return v | copies as u64;
+        }
+        overflow.lock().insert((hash, v & HOLDER), copies);
+        v | MANY
+    }
+
+    /// Sets the live slot `slot` (value `v`) to `copies` (> 0).
+    fn set_copies(slot: &Slot, hash: u64, v: u64, copies: u32, overflow: &Overflow) {
+        let base = v & !COPIES;
+        if v & COPIES != MANY && (copies as u64) < MANY {
+            slot.val.store(base | copies as u64, Ordering::Release);
+            return;
+        }
+        let mut many = overflow.lock();
+        if (copies as u64) < MANY {
+            slot.val.store(base | copies as u64, Ordering::Release);
+            many.remove(&(hash, v & HOLDER));
+        } else {
+            many.insert((hash, v & HOLDER), copies);
+            slot.val.store(base | MANY, Ordering::Release);
+        }
     }
 
     /// Puts a new slot for `p.hash` in the first group from its home with an `EMPTY` byte,
@@ -316,9 +417,8 @@ impl Table {
         }
     }
 
-    /// Takes one copy from `holder` under `p.hash`; false if it held none. Caller holds the
-    /// shard's mutex.
-    pub fn sub(&self, p: &Probe, holder: u64) -> bool {
+    /// `holder`'s live slot of `p.hash` and its value, if any.
+    fn live_slot(&self, p: &Probe, holder: u64) -> Option<(&Slot, u64)> {
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
         let mut g = p.home(groups);
@@ -330,18 +430,11 @@ impl Table {
                 m &= m - 1;
                 let v = slot.val.load(Ordering::Relaxed);
                 if v != TOMB && v & HOLDER == holder && slot.key.load(Ordering::Relaxed) == p.hash {
-                    if v & COPIES > 1 {
-                        slot.val.store(v - 1, Ordering::Release);
-                    } else {
-                        slot.val.store(TOMB, Ordering::Release);
-                        self.live.fetch_sub(1, Ordering::Relaxed);
-                        self.tombs.fetch_add(1, Ordering::Relaxed);
-                    }
-                    return true;
+                    return Some((slot, v));
                 }
             }
             if !overflowed(word) {
-                return false;
+                return None;
             }
             g += 1;
             if g == groups {
@@ -350,13 +443,44 @@ impl Table {
         }
     }
 
+    /// Takes one copy from `holder` under `p.hash`. Caller holds the shard's mutex.
+    pub fn sub(&self, p: &Probe, holder: u64, overflow: &Overflow) -> Subbed {
+        let Some((slot, v)) = self.live_slot(p, holder) else {
+            return Subbed::Missing;
+        };
+        let copies = overflow.copies(p.hash, v, None);
+        if copies > 1 {
+            Self::set_copies(slot, p.hash, v, copies - 1, overflow);
+            return Subbed::Taken;
+        }
+        slot.val.store(TOMB, Ordering::Release);
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        self.tombs.fetch_add(1, Ordering::Relaxed);
+        Subbed::Died { entry: entry_of(v) }
+    }
+
+    /// Points `holder`'s live slot of `p.hash` at `entry` instead of `old`; false if it has no
+    /// such slot. Caller holds the shard's mutex.
+    pub fn move_entry(&self, p: &Probe, holder: u64, old: u32, entry: u32) -> bool {
+        match self.live_slot(p, holder) {
+            Some((slot, v)) if entry_of(v) == old => {
+                slot.val.store((v & !ENTRY) | ((entry as u64) << ENTRY_SHIFT), Ordering::Release);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Tombstones every live value for which `drop` is true; returns how many. Caller holds
     /// the shard's mutex.
-    pub fn remove_where(&self, mut drop: impl FnMut(u64) -> bool) -> usize {
+    pub fn remove_where(&self, mut drop: impl FnMut(u64) -> bool, overflow: &Overflow) -> usize {
         let mut removed = 0;
         for slot in self.published_slots() {
             let v = slot.val.load(Ordering::Relaxed);
             if v != TOMB && drop(v) {
+                if Overflow::is_many(v) {
+                    overflow.lock().remove(&(slot.key.load(Ordering::Relaxed), v & HOLDER));
+                }
                 slot.val.store(TOMB, Ordering::Release);
                 removed += 1;
             }
@@ -405,8 +529,9 @@ mod tests {
     #[test]
     fn probes_stop_at_home_when_no_insert_overflowed_it() {
         let t = Table::for_entries(1000);
+        let o = Overflow::default();
         for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1), Added::Done { .. }));
+            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1, &mut || 7, &o), Added::Done { .. }));
         }
         // Some groups filled up and overflowed; every key is still found, exactly once.
         let overflowing = t.ctrl.iter().filter(|w| overflowed(w.load(Ordering::Relaxed))).count();
@@ -428,8 +553,9 @@ mod tests {
     fn table_grows_only_through_full_and_keeps_values_on_rebuild() {
         let t = Table::for_entries(0);
         let h = holder(1, 0, 2);
+        let o = Overflow::default();
         let mut n = 0u64;
-        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1) {
+        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1, &mut || n as u32, &o) {
             n += 1;
         }
         assert_eq!(t.live() as u64, n);
@@ -439,7 +565,7 @@ mod tests {
         for k in 0..n {
             let mut seen = vec![];
             r.for_each(&Probe::new(k), |v| seen.push(v));
-            assert_eq!(seen, vec![h | 1]);
+            assert_eq!(seen, vec![h | (k << ENTRY_SHIFT) | 1]);
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::{IndexConfig, PrefixIndex, StagedSnapshot, TierId};
 
-use crate::util::{seq, w};
+use crate::util::{churn, seq, w};
 
 #[test]
 fn lookups_during_snapshot_swaps_see_one_whole_state() {
@@ -93,25 +93,19 @@ fn lookups_during_incremental_writes_of_other_workers_stay_exact_for_a_static_on
     let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
     let request = seq(77, 32);
     index.store(w(9), TierId::HOST, &request[..17]);
-    let stop = Arc::new(AtomicBool::new(false));
-    let writer = {
-        let (index, stop) = (index.clone(), stop.clone());
-        std::thread::spawn(move || {
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                // Churn through the shared shards: grows, tombstones and rebuilds tables.
-                let s = seq(i % 50, 64);
-                index.store(w(1 + (i % 3) as u32), TierId::DEVICE, &s);
-                index.remove(w(1 + ((i + 1) % 3) as u32), TierId::DEVICE, &s);
-                i += 1;
-            }
-        })
-    };
+    let writer = churn({
+        let index = index.clone();
+        move |i| {
+            // Churn through the shared shards: grows, tombstones and rebuilds tables.
+            let s = seq(i % 50, 64);
+            index.store(w(1 + (i % 3) as u32), TierId::DEVICE, &s);
+            index.remove(w(1 + ((i + 1) % 3) as u32), TierId::DEVICE, &s);
+        }
+    });
     for _ in 0..20_000 {
         let got = index.lookup(&request);
         let m = got.get(w(9)).expect("worker 9 holds block 0");
         assert_eq!((m.blocks, m.tier(TierId::HOST)), (17, 17));
     }
-    stop.store(true, Ordering::Relaxed);
-    writer.join().unwrap();
+    writer.stop();
 }

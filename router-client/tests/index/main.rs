@@ -1,7 +1,8 @@
 //! Tests of the prefix index: exact rules, random operation sequences against the reference,
-//! and lookups racing snapshot swaps.
+//! lookups that follow stored runs, and lookups racing snapshot swaps.
 
 mod concurrency;
 mod random;
 mod rules;
+mod runs;
 mod util;

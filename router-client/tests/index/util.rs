@@ -1,5 +1,9 @@
 //! Shared fixtures: ids, chained hashes, and an index paired with its reference.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::{
     IndexConfig, LookupResult, PrefixIndex, RemoveOutcome, StagedSnapshot, TierId, WorkerId,
@@ -96,5 +100,35 @@ impl Pair {
         let stats = self.index.stats();
         assert_eq!(stats.blocks, self.reference.len(), "live blocks");
         assert_eq!(stats.missing_removes, self.reference.missing_removes());
+    }
+}
+
+/// A writer thread calling `write(0)`, `write(1)`, .. until [`Churn::stop`].
+pub struct Churn {
+    stop: Arc<AtomicBool>,
+    thread: JoinHandle<()>,
+}
+
+/// Starts a [`Churn`].
+pub fn churn(mut write: impl FnMut(u64) + Send + 'static) -> Churn {
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                write(i);
+                i += 1;
+            }
+        })
+    };
+    Churn { stop, thread }
+}
+
+impl Churn {
+    /// Stops the writer and waits for it (a panic in it fails the caller).
+    pub fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().expect("writer thread");
     }
 }

@@ -1,0 +1,299 @@
+//! Runs: each holder's blocks in the order they were stored, in pages of [`PAGE`] hashes, so a
+//! lookup that found a holder's entry for block `i` checks block `i + 1` by reading the next
+//! entry of the same page (contiguous memory) instead of probing the table.
+//!
+//! A *holder* is a packed `(worker, tag, tier)` (`table::holder`). Each of its live table slots
+//! names one *entry* (`page * PAGE + offset`, `table::entry_of`): the page position where its
+//! hash was written when the slot was created. An entry's bit in its page's `valid` word is set
+//! exactly while that slot is live, so
+//!
+//! > a valid entry of a page owned by holder `h` means `h` holds the entry's hash.
+//!
+//! That is all a lookup relies on: a valid entry whose hash equals the request's next block
+//! proves the holder holds it; anything else (an invalid or different entry, the page's end,
+//! a slot with no entry) proves nothing, and the lookup probes the table as before.
+//!
+//! Pages are written only by their holder's writers (who hold its stripe of `cursors`); an
+//! entry is written once, before its valid bit is set (`Release`). A page whose entries are all
+//! invalid is freed, but reused (possibly by another holder) only after a grace period, so a
+//! lookup that got an entry from a live slot never reads a page that changed owner under it.
+//! Writers do not wait for that grace period: they start one and check at later allocations
+//! whether it has ended, taking fresh pages meanwhile.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+
+use super::grace::Grace;
+use super::table;
+
+/// Entries per page: one `valid` word covers a page.
+pub(super) const PAGE: u32 = 64;
+/// Pages per chunk of the pool (a chunk is allocated whole, on first use).
+const CHUNK: usize = 512;
+/// Chunks in the directory: up to 2^26 entries (64M (holder, block) pairs, about a gigabyte
+/// of index), well within `table::ENTRY_BITS`. Beyond that, new slots get no entry: their
+/// lookups probe block by block, exactly as before.
+const CHUNKS: usize = (1 << 26) / PAGE as usize / CHUNK;
+/// Stripes of the holder cursors (the holder locks).
+const STRIPES: usize = 64;
+
+pub(super) struct Page {
+    /// Bit `k`: entry `k` is the entry of a live slot.
+    valid: AtomicU64,
+    hashes: [AtomicU64; PAGE as usize],
+}
+
+impl Page {
+    fn new() -> Self {
+        Self { valid: AtomicU64::new(0), hashes: std::array::from_fn(|_| AtomicU64::new(0)) }
+    }
+
+    /// Loads the lines holding the `valid` word and entry `offset` (see `Table::touch`).
+    #[inline]
+    pub fn touch(&self, offset: u32) -> u64 {
+        self.valid.load(Ordering::Relaxed) ^ self.hashes[(offset % PAGE) as usize].load(Ordering::Relaxed)
+    }
+
+    /// How many entries from `offset` on are valid and equal `hashes`, in order.
+    #[inline]
+    pub fn matching(&self, offset: u32, hashes: &[u64]) -> usize {
+        if offset >= PAGE {
+            return 0;
+        }
+        let valid = self.valid.load(Ordering::Acquire) >> offset;
+        let room = (PAGE - offset) as usize;
+        let n = hashes.len().min(room).min(valid.trailing_ones() as usize);
+        let page = &self.hashes[offset as usize..offset as usize + n];
+        page.iter().zip(&hashes[..n]).take_while(|(e, &h)| e.load(Ordering::Relaxed) == h).count()
+    }
+}
+
+/// Where a holder appends: its current page and how many entries of it are used.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Cursor {
+    page: u32,
+    used: u32,
+}
+
+/// One stripe of holders: their cursors. Holding it is holding the lock of its holders.
+pub(super) type Cursors = HashMap<u64, Cursor, BuildHasherDefault<HolderHasher>>;
+
+/// Hashes a packed holder with one multiply: the map is on every store's and removal's path,
+/// and its keys are few and not chosen by an adversary.
+#[derive(Default)]
+pub(super) struct HolderHasher(u64);
+
+impl Hasher for HolderHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0 ^ x).wrapping_mul(0x9e37_79b9_7f4a_7c15).rotate_left(29);
+    }
+}
+
+#[derive(Default)]
+struct PoolState {
+    /// Pages handed out so far (ids below this exist).
+    fresh: u32,
+    /// Free pages, reusable now.
+    free: Vec<u32>,
+    /// Freed pages whose grace period has not started.
+    limbo: Vec<u32>,
+    /// Freed pages whose grace period started: reusable once it ends.
+    waiting: Vec<u32>,
+    /// The grace period of `waiting`: the parity its last flip gave, and whether that flip
+    /// was its second (then its end frees `waiting`).
+    pending: Option<(usize, bool)>,
+    /// The holder owning each page handed out (`FREE` when free or in limbo).
+    owner: Vec<u64>,
+}
+
+const FREE: u64 = u64::MAX;
+/// The page of a cursor that has none yet.
+const NO_PAGE: u32 = u32::MAX;
+
+/// The pages of every holder.
+pub(super) struct Runs {
+    /// Fixed directory of lazily allocated chunks, so lookups read pages without a lock.
+    chunks: Box<[OnceLock<Box<[Page]>>]>,
+    state: Mutex<PoolState>,
+    cursors: Box<[Mutex<Cursors>]>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Default for Runs {
+    fn default() -> Self {
+        Self {
+            chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+            state: Mutex::default(),
+            cursors: (0..STRIPES).map(|_| Mutex::default()).collect(),
+        }
+    }
+}
+
+impl Runs {
+    /// The page of `entry` (None for `NO_ENTRY` or a page never handed out).
+    #[inline]
+    pub fn page(&self, entry: u32) -> Option<&Page> {
+        let page = (entry / PAGE) as usize;
+        self.chunks.get(page / CHUNK)?.get().map(|c| &c[page % CHUNK])
+    }
+
+    /// The lock of `holder`'s pages (a stripe shared with other holders). Writers of a holder
+    /// hold it around every change of the holder's slots.
+    pub fn lock(&self, holder: u64) -> MutexGuard<'_, Cursors> {
+        let x = (holder >> 34).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        lock(&self.cursors[(x >> 58) as usize % STRIPES])
+    }
+
+    /// Writes `hash` as `holder`'s next entry and marks it valid; the caller then publishes
+    /// the slot naming it. `NO_ENTRY` when the pool is exhausted (the slot then has none).
+    pub fn append(&self, cursors: &mut Cursors, holder: u64, hash: u64, grace: &Grace) -> u32 {
+        let cursor = cursors.entry(holder).or_insert(Cursor { page: NO_PAGE, used: PAGE });
+        if cursor.used == PAGE {
+            let Some(page) = self.alloc(holder, grace) else {
+                return table::NO_ENTRY;
+            };
+            if cursor.page != NO_PAGE {
+                self.free_if_empty(cursor.page);
+            }
+            *cursor = Cursor { page, used: 0 };
+        }
+        let p = self.page(cursor.page * PAGE).expect("an allocated page exists");
+        p.hashes[cursor.used as usize].store(hash, Ordering::Relaxed);
+        p.valid.fetch_or(1 << cursor.used, Ordering::Release);
+        cursor.used += 1;
+        cursor.page * PAGE + cursor.used - 1
+    }
+
+    /// Marks `entry` (of a slot of `holder` that just died, or moved) invalid, freeing its
+    /// page when no valid entry is left and the holder no longer appends to it. Returns the
+    /// page if it is now sparse (a quarter or less valid) and worth compacting.
+    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32) -> Option<u32> {
+        let p = self.page(entry)?;
+        let bit = 1 << (entry % PAGE);
+        let left = p.valid.fetch_and(!bit, Ordering::Release) & !bit;
+        let page = entry / PAGE;
+        if cursors.get(&holder).is_some_and(|c| c.page == page) {
+            return None;
+        }
+        if left == 0 {
+            self.free(page);
+            return None;
+        }
+        (left.count_ones() <= PAGE / 4).then_some(page)
+    }
+
+    /// The valid entries of `page`, as `(entry, hash)`.
+    pub fn valid_entries(&self, page: u32) -> Vec<(u32, u64)> {
+        let Some(p) = self.page(page * PAGE) else { return Vec::new() };
+        let mut valid = p.valid.load(Ordering::Acquire);
+        let mut out = Vec::with_capacity(valid.count_ones() as usize);
+        while valid != 0 {
+            let k = valid.trailing_zeros();
+            valid &= valid - 1;
+            out.push((page * PAGE + k, p.hashes[k as usize].load(Ordering::Relaxed)));
+        }
+        out
+    }
+
+    /// Drops every page of the holders matching `drop` (their slots are gone). Caller holds
+    /// those holders' locks (or otherwise excludes their writers) and removes their cursors.
+    pub fn drop_pages(&self, drop: impl Fn(u64) -> bool) {
+        let mut st = lock(&self.state);
+        for page in 0..st.fresh {
+            let owner = st.owner[page as usize];
+            if owner != FREE && drop(owner) {
+                self.page(page * PAGE).expect("allocated").valid.store(0, Ordering::Release);
+                st.owner[page as usize] = FREE;
+                st.limbo.push(page);
+            }
+        }
+    }
+
+    fn free_if_empty(&self, page: u32) {
+        if self.page(page * PAGE).is_some_and(|p| p.valid.load(Ordering::Acquire) == 0) {
+            self.free(page);
+        }
+    }
+
+    fn free(&self, page: u32) {
+        let mut st = lock(&self.state);
+        if st.owner[page as usize] != FREE {
+            st.owner[page as usize] = FREE;
+            st.limbo.push(page);
+        }
+    }
+
+    /// A page for `holder`: a free one, else a fresh one. Freed pages become free once a
+    /// grace period that started after they were freed has ended (every lookup that could
+    /// still read them is over); writers never wait for it, they check at each allocation.
+    fn alloc(&self, holder: u64, grace: &Grace) -> Option<u32> {
+        let mut st = lock(&self.state);
+        match st.pending {
+            Some((parity, second)) if grace.ended(parity) => {
+                if second {
+                    let waiting = std::mem::take(&mut st.waiting);
+                    st.free.extend(waiting);
+                    st.pending = None;
+                } else if let Some(parity) = grace.start() {
+                    st.pending = Some((parity, true));
+                }
+            }
+            _ => {}
+        }
+        if st.pending.is_none() && !st.limbo.is_empty() {
+            if let Some(parity) = grace.start() {
+                st.waiting = std::mem::take(&mut st.limbo);
+                st.pending = Some((parity, false));
+            }
+        }
+        let page = match st.free.pop() {
+            Some(page) => page,
+            None => {
+                let page = st.fresh;
+                let chunk = self.chunks.get(page as usize / CHUNK)?;
+                chunk.get_or_init(|| (0..CHUNK).map(|_| Page::new()).collect());
+                st.fresh += 1;
+                st.owner.push(FREE);
+                page
+            }
+        };
+        let p = self.page(page * PAGE).expect("allocated");
+        p.valid.store(0, Ordering::Relaxed);
+        st.owner[page as usize] = holder;
+        Some(page)
+    }
+
+    /// Pages owned by holders, and free ones (reusable now or after a grace period).
+    pub fn pages(&self) -> (usize, usize) {
+        let st = lock(&self.state);
+        let free = st.free.len() + st.limbo.len() + st.waiting.len();
+        (st.fresh as usize - free, free)
+    }
+
+    /// Heap bytes: allocated chunks, the directory and the bookkeeping.
+    pub fn bytes(&self) -> usize {
+        let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();
+        let st = lock(&self.state);
+        let cursors: usize = self.cursors.iter().map(|c| lock(c).capacity() * (8 + 8 + 8)).sum();
+        chunks * CHUNK * std::mem::size_of::<Page>()
+            + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[Page]>>>()
+            + (st.owner.capacity() * 8 + (st.free.capacity() + st.limbo.capacity() + st.waiting.capacity()) * 4)
+            + cursors
+            + STRIPES * std::mem::size_of::<Mutex<Cursors>>()
+    }
+}
