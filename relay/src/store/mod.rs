@@ -537,9 +537,27 @@ impl Store {
         let mut out = Vec::with_capacity(bodies.len());
         let mut sizes = Vec::with_capacity(bodies.len());
         for body in bodies {
-            let (record, size) = txn.apply(body).map_err(|e| count("commit", e))?;
-            out.push(record);
-            sizes.push(size);
+            match txn.apply(body) {
+                Ok((record, size)) => {
+                    out.push(record);
+                    sizes.push(size);
+                }
+                Err(e) => {
+                    // After an I/O error sled fails its reads too (its flusher may hit the full
+                    // disk before any write of ours does): the store is failed as surely as
+                    // when the batch itself fails, and must be reopened.
+                    if matches!(
+                        e,
+                        StoreError::DiskFull { .. }
+                            | StoreError::ReadOnly { .. }
+                            | StoreError::Io { .. }
+                            | StoreError::Sled { .. }
+                    ) {
+                        w.failed = Some(e.to_string());
+                    }
+                    return Err(count("commit", e));
+                }
+            }
         }
         let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
         let overlay_keys: Vec<Vec<u8>> =
