@@ -174,7 +174,15 @@ impl RelayService {
     }
 
     fn stream_of<T: Send + 'static>(&self, rx: mpsc::Receiver<Result<T, Status>>) -> BoxStream<T> {
-        Box::pin(UntilShutdown::new(ReceiverStream::new(rx), self.shutdown.clone()))
+        self.until_shutdown(ReceiverStream::new(rx))
+    }
+
+    /// A response stream that ends when the server shuts down.
+    fn until_shutdown<T>(
+        &self,
+        s: impl tokio_stream::Stream<Item = Result<T, Status>> + Send + Unpin + 'static,
+    ) -> BoxStream<T> {
+        Box::pin(UntilShutdown::new(s, self.shutdown.clone()))
     }
 
     /// Picks where a Subscribe starts (the resume rules of `docs/protocol.md`).
@@ -281,7 +289,7 @@ impl Relay for RelayService {
         // Queued records are shared with the store's tail: each becomes a message of its own only
         // when the connection takes it, so a full queue holds no copies.
         let messages = tokio_stream::StreamExt::map(ReceiverStream::new(rx), |r| r.map(Outgoing::into_message));
-        Ok(Response::new(Box::pin(UntilShutdown::new(messages, self.shutdown.clone()))))
+        Ok(Response::new(self.until_shutdown(messages)))
     }
 
     async fn status(&self, _request: Request<pb::StatusRequest>) -> Result<Response<pb::StatusResponse>, Status> {

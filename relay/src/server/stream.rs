@@ -8,10 +8,11 @@
 //! each record converted to its Subscribe message once, and read without the blocking pool. Only
 //! a subscriber behind that tail reads sled.
 //!
-//! # Memory per subscriber It holds at
-//! most one page of records ([`ServerConfig::history_page`] records) and its channel
-//! ([`ServerConfig::stream_buffer`] messages), plus a broadcast receiver (a cursor into the one
-//! shared notice ring). A lagging subscriber therefore costs at most
+//! # Memory per subscriber
+//! A subscriber holds at most one page of records ([`ServerConfig::history_page`] records) and
+//! its channel ([`ServerConfig::stream_buffer`] entries: records shared with the store's tail, or
+//! messages of its own), plus a broadcast receiver (a cursor into the one shared notice ring). A
+//! lagging subscriber therefore costs at most
 //! `(history_page + stream_buffer) × the largest record`, however far behind it is; while it
 //! sends a snapshot it holds one chunk (`snapshot_chunk_blocks` blocks) instead of a page.
 
