@@ -15,7 +15,9 @@
 //! whole trace), `--lookups N` (distinct lookup requests, 20,000), `--trace FILE` (default
 //! `$KV_ROUTER_MOONCAKE`, else `../shared/data/mooncake/conversation_trace.jsonl`; a synthetic
 //! trace of the same shape when absent), `--reference` (add the reference with Dynamo on),
-//! `--only NAME`.
+//! `--only NAME`, `--analyze` (instead of the comparison: the index alone, lookups on one
+//! thread over the final index, `--runs` times, with percentiles by match depth; for
+//! profiling).
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
@@ -556,6 +558,48 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
+/// `--analyze`: the index alone, on one thread. The whole stream is applied first, then the
+/// lookups run `reps` times over the final index, with no writer beside them: latency
+/// percentiles (each with the lookup's length, deepest match, workers matched and (worker,
+/// block) pairs matched), and mean latency by depth of the deepest match. For profiling.
+fn analyze(w: &Workload, reps: usize) {
+    let index = PrefixIndex::new(IndexConfig::default());
+    for op in &w.ops {
+        index.apply(op);
+    }
+    // (ns, request length, deepest match, workers, matched (worker, block) pairs)
+    let mut rows: Vec<(u64, usize, u32, usize, u64)> = Vec::new();
+    let mut r = LookupResult::default();
+    for _ in 0..reps {
+        for q in &w.lookups {
+            let t0 = Instant::now();
+            index.lookup_into(q, &mut r);
+            let ns = t0.elapsed().as_nanos() as u64;
+            let pairs: u64 = r.iter().map(|m| m.blocks as u64).sum();
+            let depth = r.iter().map(|m| m.blocks).max().unwrap_or(0);
+            rows.push((ns, q.len(), depth, r.len(), pairs));
+        }
+    }
+    rows.sort_unstable();
+    let n = rows.len();
+    let total: u64 = rows.iter().map(|r| r.0).sum();
+    println!("  {n} lookups, mean {} ns", total / n as u64);
+    for p in [0.5, 0.9, 0.99, 0.999] {
+        let (ns, len, depth, workers, pairs) = rows[((n - 1) as f64 * p) as usize];
+        println!("  p{p}: {ns} ns (length {len}, depth {depth}, {workers} workers, {pairs} matched pairs)");
+    }
+    let mut by_depth = std::collections::BTreeMap::new();
+    for &(ns, _, depth, _, _) in &rows {
+        let e = by_depth.entry(depth / 25 * 25).or_insert((0usize, 0u64));
+        e.0 += 1;
+        e.1 += ns;
+    }
+    for (d, (c, ns)) in by_depth {
+        println!("  depth {d:>4}..{:<4} {c:>8} lookups, mean {} ns", d + 24, ns / c as u64);
+    }
+    println!("  {:?}, {} B", index.stats(), index.memory_bytes());
+}
+
 fn main() {
     let o = Opts::parse();
     let threads = o.threads;
@@ -583,6 +627,15 @@ fn main() {
         o.runs,
         std::fs::read_to_string("/proc/loadavg").map(|s| s.split(' ').take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
     );
+    if std::env::args().any(|a| a == "--analyze") {
+        for &workers in &o.workers {
+            let copies = o.copies.unwrap_or((workers / 2).max(4));
+            let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);
+            println!("{workers} workers, {copies} copies: the index alone, one thread, {} run(s)", o.runs);
+            analyze(&w, o.runs);
+        }
+        return;
+    }
     for &workers in &o.workers {
         let copies = o.copies.unwrap_or((workers / 2).max(4));
         let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);

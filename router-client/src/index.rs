@@ -71,6 +71,21 @@
 //! a page left a quarter full by removals is compacted (its live entries move, in order, to
 //! the holder's current page). Cost: 8 bytes per (holder, block) plus page slack.
 //!
+//! **Crowded first blocks.** A system prompt's first block is held by every worker, so a
+//! lookup starting with it makes a candidate per worker (hundreds) before block 1 drops most
+//! of them. Building them (reading the block's holders over many groups, sorting them by
+//! worker, reading each worker's generation word) was most of such a lookup, and it gave the
+//! same answer every time until the block's holders changed. So a lookup thread keeps block
+//! 0's candidates and pairs for up to 64 first blocks with at least 16 holders, each stamped
+//! with the block's table id, the block's *version* and the swap sequence, and reuses them
+//! while all three are unchanged. A key with more than seven holders has overflowed its home
+//! group, and from then on every change of its holders or of their entries raises one of 64
+//! version counters of its table (by hash), after the change (`table.rs`, Versions of
+//! crowded keys); a rebuilt table has a new id; the tags a lookup counts depend only on the
+//! swap sequence. The kept candidates are therefore exactly what reading the table would
+//! give. Block 0's holders are sorted by a radix sort on the worker id when there are many,
+//! and a candidate's tier runs are kept with it, so ending a candidate writes nothing else.
+//!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
 //! writer publishes a new slot's key and value before its control byte (`Release`), never
 //! changes a published slot's key (a tombstoned slot is reused only for the same hash),
@@ -116,6 +131,10 @@
 //!   take fresh pages meanwhile, so a long lookup costs a little memory, not write time).
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
+//! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
+//!   (about 50 bytes per holder) and each write to a crowded key (or a key sharing its
+//!   stripe's home-group overflow) an atomic increment. A version shared by a stripe can be
+//!   raised by another crowded key's change: the candidates are then rebuilt, never wrong.
 
 mod grace;
 mod ids;
@@ -126,7 +145,7 @@ mod snapshot;
 mod table;
 
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
@@ -266,18 +285,27 @@ impl std::fmt::Debug for PrefixIndex {
     }
 }
 
+#[derive(Clone, Copy)]
 struct Candidate {
     worker: u32,
     /// The tag this lookup counts for the worker.
     tag: u64,
-    /// Tiers whose leading run is still going.
+    /// Tiers whose leading run is still going; once `done`, the tiers whose run ended at
+    /// `blocks` (so that ending a candidate writes nothing else).
     alive: u64,
-    /// Tiers holding the current block.
+    /// Tiers holding block `seen_at` (stale, so 0, when `seen_at` is another block).
     seen: u64,
+    seen_at: u32,
     /// Leading blocks in any tier, once the run ended.
     blocks: u32,
     done: bool,
+    /// Runs of tiers that ended before the candidate did: the head of a list in
+    /// `Scratch::runs` (`NO_RUN` if none).
+    ended: u32,
 }
+
+/// The end of a candidate's list of ended runs.
+const NO_RUN: u32 = u32::MAX;
 
 #[derive(Default)]
 struct Scratch {
@@ -295,9 +323,56 @@ struct Scratch {
     orphans: usize,
     /// The last block probed ended no run: the pairs left are likely to go on together.
     settled: bool,
-    /// `(candidate, tier, run)` as runs end.
-    runs: Vec<(u32, u8, u32)>,
+    /// `(tier, run, next)`: per candidate, a list of the tier runs that ended before it did.
+    runs: Vec<(u8, u32, u32)>,
+    /// Scratch for sorting block 0's holders by worker.
+    sorted: Vec<u64>,
+    buckets: Vec<u32>,
+    /// One candidate's tier runs, while `emit` sorts them.
+    tier_runs: Vec<TierRun>,
+    /// Block 0's candidates of crowded keys, as this thread last computed them.
+    memo: HashMap<u64, Memo>,
 }
+
+/// Block 0's candidates and pairs as a lookup computed them (before any later block), valid
+/// while the key's table, the key's version and the swap sequence are the same: a crowded
+/// key's version rises after any change of its holders or their entries, a rebuilt table has
+/// a new id, and the tags a lookup counts depend only on the swap sequence it read.
+#[derive(Default)]
+struct Memo {
+    at: (u64, u64, u64),
+    candidates: Vec<Candidate>,
+    pairs: Vec<u32>,
+}
+
+impl Memo {
+    fn is(&self, table: u64, version: u64, seq: u64) -> bool {
+        self.at == (table, version, seq)
+    }
+}
+
+impl Scratch {
+    /// Keeps block 0's candidates and pairs (just computed, from holders read after reading
+    /// `at`'s version) for `hash`.
+    fn remember(&mut self, hash: u64, at: (u64, u64, u64)) {
+        if self.memo.len() >= MEMO_KEYS && !self.memo.contains_key(&hash) {
+            self.memo.clear();
+        }
+        let m = self.memo.entry(hash).or_default();
+        m.at = at;
+        m.candidates.clear();
+        m.candidates.extend_from_slice(&self.candidates);
+        m.pairs.clear();
+        m.pairs.extend_from_slice(&self.pairs);
+    }
+}
+
+/// Holders of block 0 from which a lookup keeps its candidates for the next lookups of the
+/// same first block. At least eight: a key with more holders than its home group's seven
+/// slots is crowded, so every change of it raises its version.
+const MEMO_HOLDERS: usize = 16;
+/// First blocks whose candidates a thread keeps (all dropped when a new one would exceed it).
+const MEMO_KEYS: usize = 64;
 
 /// Blocks whose first cache lines a lookup loads before using any (see `Table::touch`).
 const WINDOW: usize = 8;
@@ -307,6 +382,50 @@ const FOLLOW: usize = 8;
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+/// Sorts packed values by worker id, keeping the order of equal ones. Block 0 of a popular
+/// prefix has a holder per worker (hundreds), and a comparison sort of them cost a third of
+/// such a lookup; an LSD radix sort over the bits the largest worker id needs is one pass of
+/// at most 1,024 buckets for up to 1,024 workers.
+fn sort_by_worker(v: &mut [u64], tmp: &mut Vec<u64>, buckets: &mut Vec<u32>) {
+    const DIGIT: u32 = 10;
+    if v.len() <= 32 {
+        v.sort_by_key(|&x| table::worker_of(x));
+        return;
+    }
+    let max = v.iter().map(|&x| table::worker_of(x)).max().unwrap_or(0);
+    let bits = u32::BITS - max.leading_zeros();
+    tmp.clear();
+    tmp.resize(v.len(), 0);
+    let mut shift = 0;
+    let mut in_tmp = false;
+    while shift < bits {
+        let width = (bits - shift).min(DIGIT);
+        let digit = |x: u64| ((table::worker_of(x) >> shift) & ((1 << width) - 1)) as usize;
+        let (src, dst): (&[u64], &mut [u64]) = if in_tmp { (tmp, v) } else { (v, tmp) };
+        buckets.clear();
+        buckets.resize(1 << width, 0);
+        for &x in src.iter() {
+            buckets[digit(x)] += 1;
+        }
+        let mut at = 0;
+        for b in buckets.iter_mut() {
+            let n = *b;
+            *b = at;
+            at += n;
+        }
+        for &x in src.iter() {
+            let b = &mut buckets[digit(x)];
+            dst[*b as usize] = x;
+            *b += 1;
+        }
+        in_tmp = !in_tmp;
+        shift += width;
+    }
+    if in_tmp {
+        v.copy_from_slice(tmp);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -565,18 +684,37 @@ impl PrefixIndex {
             s.pairs.clear();
             s.orphans = 0;
             s.settled = false;
-            // Block 0 decides the candidates. Block 1 is probed with it (their misses overlap):
-            // unless one pair holds block 0, block 1 is where most candidates drop out.
+            // Block 0 decides the candidates: from this thread's memo when its holders are many
+            // and unchanged, else from the table. Block 1 is probed with it (their misses
+            // overlap): unless one pair holds block 0, block 1 is where most candidates drop out.
             let n = hashes.len();
-            self.gather(&tables, &hashes[..n.min(2)], s);
-            self.first_block(seq0, s);
+            let first = Probe::new(hashes[0]);
+            let table = &tables[first.shard(self.shard_mask)];
+            // Read before block 0's holders (see `table`'s docs, Versions of crowded keys).
+            let version = table.version(&first);
+            let block1 = match s.memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0)) {
+                Some(m) => {
+                    s.candidates.extend_from_slice(&m.candidates);
+                    s.pairs.extend_from_slice(&m.pairs);
+                    self.gather(&tables, &hashes[1..n.min(2)], s);
+                    0..s.ends[0]
+                }
+                None => {
+                    self.gather(&tables, &hashes[..n.min(2)], s);
+                    self.first_block(seq0, s);
+                    if s.ends[0] >= MEMO_HOLDERS {
+                        s.remember(hashes[0], (table.id(), version, seq0));
+                    }
+                    s.ends[0]..s.ends[1]
+                }
+            };
             if s.candidates.is_empty() {
                 return;
             }
             s.alive.extend(0..s.candidates.len() as u32);
             let mut i = 1;
             if n > 1 && s.pairs.len() > 1 {
-                if !Self::step(1, s.ends[0]..s.ends[1], s) {
+                if !Self::step(1, block1, s) {
                     Self::emit(n as u32, s, out);
                     return;
                 }
@@ -682,7 +820,7 @@ impl PrefixIndex {
     /// by worker, and the entries of their (worker, tier) pairs.
     fn first_block(&self, seq0: u64, s: &mut Scratch) {
         let first = &mut s.holders[..s.ends[0]];
-        first.sort_unstable();
+        sort_by_worker(first, &mut s.sorted, &mut s.buckets);
         let mut i = 0;
         while i < first.len() {
             let worker = table::worker_of(first[i]);
@@ -696,7 +834,16 @@ impl PrefixIndex {
                 i += 1;
             }
             if tiers != 0 {
-                s.candidates.push(Candidate { worker, tag, alive: tiers, seen: 0, blocks: 0, done: false });
+                s.candidates.push(Candidate {
+                    worker,
+                    tag,
+                    alive: tiers,
+                    seen: 0,
+                    seen_at: 0,
+                    blocks: 0,
+                    done: false,
+                    ended: NO_RUN,
+                });
             }
         }
     }
@@ -707,9 +854,7 @@ impl PrefixIndex {
     fn step(i: usize, holders: std::ops::Range<usize>, s: &mut Scratch) -> bool {
         let Scratch { holders: all, candidates, alive, runs, pairs, orphans, settled, .. } = s;
         let holders = &all[holders];
-        for &k in alive.iter() {
-            candidates[k as usize].seen = 0;
-        }
+        let at = i as u32;
         pairs.clear();
         for &v in holders {
             let worker = table::worker_of(v);
@@ -721,6 +866,10 @@ impl PrefixIndex {
             if let Some(c) = found.map(|k| &mut candidates[k]) {
                 if !c.done && table::tag_of(v) == c.tag {
                     let bit = 1 << table::tier_of(v);
+                    if c.seen_at != at {
+                        c.seen_at = at;
+                        c.seen = 0;
+                    }
                     c.seen |= bit;
                     if c.alive & bit != 0 {
                         pairs.push(table::entry_of(v));
@@ -733,52 +882,52 @@ impl PrefixIndex {
         let before = alive.len();
         alive.retain(|&k| {
             let c = &mut candidates[k as usize];
-            let mut ended = c.alive & !c.seen;
-            while ended != 0 {
-                runs.push((k, ended.trailing_zeros() as u8, i as u32));
-                ended &= ended - 1;
-            }
-            c.alive &= c.seen;
-            if c.seen == 0 {
+            let seen = if c.seen_at == at { c.seen } else { 0 };
+            if seen == 0 {
+                // Every tier still going ends here: `alive` keeps them, `blocks` says where.
                 c.done = true;
-                c.blocks = i as u32;
-                false
-            } else {
-                *orphans += (c.alive == 0) as usize;
-                true
+                c.blocks = at;
+                return false;
             }
+            let mut gone = c.alive & !seen;
+            while gone != 0 {
+                runs.push((gone.trailing_zeros() as u8, at, c.ended));
+                c.ended = runs.len() as u32 - 1;
+                gone &= gone - 1;
+            }
+            c.alive &= seen;
+            *orphans += (c.alive == 0) as usize;
+            true
         });
         *settled = runs.len() == ended && alive.len() == before;
         !alive.is_empty()
     }
 
     fn emit(len: u32, s: &mut Scratch, out: &mut LookupResult) {
-        for (k, c) in s.candidates.iter_mut().enumerate() {
-            if !c.done {
-                c.blocks = len;
-                let mut alive = c.alive;
-                while alive != 0 {
-                    s.runs.push((k as u32, alive.trailing_zeros() as u8, len));
-                    alive &= alive - 1;
-                }
-            }
-        }
-        s.runs.sort_unstable();
-        let mut r = 0;
-        for (k, c) in s.candidates.iter().enumerate() {
-            let start = r;
-            while r < s.runs.len() && s.runs[r].0 == k as u32 {
-                r += 1;
-            }
+        let Scratch { candidates, runs, tier_runs: mine, .. } = s;
+        for c in candidates.iter() {
+            let blocks = if c.done { c.blocks } else { len };
             let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
-            out.push(
-                worker,
-                c.blocks,
-                s.runs[start..r].iter().map(|&(_, tier, blocks)| TierRun {
-                    tier: TierId::new(tier).expect("packed tier ids are valid"),
-                    blocks,
-                }),
-            );
+            let tier = |t: u64| TierId::new(t.trailing_zeros() as u8).expect("packed tier ids are valid");
+            if c.ended == NO_RUN && c.alive.count_ones() == 1 {
+                // The common case: one tier, whose run is the candidate's.
+                out.push(worker, blocks, std::iter::once(TierRun { tier: tier(c.alive), blocks }));
+                continue;
+            }
+            mine.clear();
+            let mut alive = c.alive;
+            while alive != 0 {
+                mine.push(TierRun { tier: tier(alive), blocks });
+                alive &= alive - 1;
+            }
+            let mut r = c.ended;
+            while r != NO_RUN {
+                let (t, run, next) = runs[r as usize];
+                mine.push(TierRun { tier: TierId::new(t).expect("packed tier ids are valid"), blocks: run });
+                r = next;
+            }
+            mine.sort_unstable_by_key(|run| run.tier);
+            out.push(worker, blocks, mine.iter().copied());
         }
     }
 

@@ -25,6 +25,16 @@
 //!   reader that sees the slot's control byte walked through to it.
 //! - A table never gets fuller than 7/8 (live + tombstones), and a group that still has an
 //!   `EMPTY` slot was never full, so its overflow count is 0: every probe ends.
+//!
+//! **Versions of crowded keys.** A key whose home group has overflowed (every key held by
+//! more than seven holders is one: its slots cannot all fit its home group) has a version:
+//! one of [`STRIPES`] counters, by hash, that every change of such a key's set of holders or
+//! of a holder's entry raises *after* the change (a slot born, dead or moved; copy counts do
+//! not count). Overflow counts only grow until the table is rebuilt (and a rebuilt table is a
+//! new table with a new [`Table::id`]), so once a key is crowded every later change of it
+//! raises its version. A lookup that reads the version, then sees at least eight holders of
+//! the key, may keep what it read for as long as the table and the version stay the same
+//! (see `PrefixIndex::lookup_into`).
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -54,6 +64,11 @@ const LO: u64 = 0x0101_0101_0101_0101;
 const EMPTY_WORD: u64 = HI;
 const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
+/// Version counters per table (see the module docs).
+pub(super) const STRIPES: usize = 64;
+
+/// Ids of tables, never reused.
+static TABLE_IDS: AtomicU64 = AtomicU64::new(0);
 
 /// Packs a holder (without entry and copies).
 pub(super) const fn holder(worker: u32, tag: u64, tier: u8) -> u64 {
@@ -141,6 +156,11 @@ impl Probe {
         (self.mixed >> 32) as usize & mask
     }
 
+    /// Bits 48..54: the key's version counter.
+    fn stripe(&self) -> usize {
+        (self.mixed >> 48) as usize & (STRIPES - 1)
+    }
+
     /// Bits 57..64: the control-byte fingerprint (0..=0x7f).
     fn fingerprint(&self) -> u8 {
         (self.mixed >> 57) as u8
@@ -191,6 +211,10 @@ pub(super) enum Added {
 }
 
 pub(super) struct Table {
+    /// Unique among all tables ever made.
+    id: u64,
+    /// Versions of crowded keys, by [`Probe::stripe`].
+    versions: Box<[AtomicU64]>,
     ctrl: Box<[AtomicU64]>,
     slots: Box<[Slot]>,
     /// Live holders. Written only under the shard's mutex; atomic so stats can read it.
@@ -208,6 +232,8 @@ impl Table {
 
     fn with_groups(groups: usize) -> Self {
         Self {
+            id: TABLE_IDS.fetch_add(1, Ordering::Relaxed),
+            versions: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
             live: AtomicUsize::new(0),
@@ -227,10 +253,29 @@ impl Table {
         self.slots.len()
     }
 
-    /// Heap bytes of this table (control words and slots) plus its header.
+    /// This table's id: no other table, before or after, has it.
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The version of `p`'s key (meaningful for crowded keys only; see the module docs).
+    /// Read it before reading the key's holders.
+    pub fn version(&self, p: &Probe) -> u64 {
+        self.versions[p.stripe()].load(Ordering::SeqCst)
+    }
+
+    /// After a change of `p`'s holders: raises the key's version if the key is crowded.
+    fn changed(&self, p: &Probe) {
+        let home = p.home(self.ctrl.len());
+        if overflowed(self.ctrl[home].load(Ordering::Relaxed)) {
+            self.versions[p.stripe()].fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Heap bytes of this table (control words, slots, versions) plus its header.
     pub fn bytes(&self) -> usize {
         std::mem::size_of::<Self>()
-            + self.ctrl.len() * std::mem::size_of::<AtomicU64>()
+            + (STRIPES + self.ctrl.len()) * std::mem::size_of::<AtomicU64>()
             + self.slots.len() * std::mem::size_of::<Slot>()
     }
 
@@ -356,9 +401,10 @@ impl Table {
             self.slots[i].val.store(v, Ordering::Release);
             self.tombs.fetch_sub(1, Ordering::Relaxed);
             self.live.fetch_add(1, Ordering::Relaxed);
-            return Added::Done { saturated: false };
+        } else {
+            self.place(p, v, Ordering::Release);
         }
-        self.place(p, v, Ordering::Release);
+        self.changed(p);
         Added::Done { saturated: false }
     }
 
@@ -456,6 +502,7 @@ impl Table {
         slot.val.store(TOMB, Ordering::Release);
         self.live.fetch_sub(1, Ordering::Relaxed);
         self.tombs.fetch_add(1, Ordering::Relaxed);
+        self.changed(p);
         Subbed::Died { entry: entry_of(v) }
     }
 
@@ -465,6 +512,7 @@ impl Table {
         match self.live_slot(p, holder) {
             Some((slot, v)) if entry_of(v) == old => {
                 slot.val.store((v & !ENTRY) | ((entry as u64) << ENTRY_SHIFT), Ordering::Release);
+                self.changed(p);
                 true
             }
             _ => false,
@@ -478,10 +526,12 @@ impl Table {
         for slot in self.published_slots() {
             let v = slot.val.load(Ordering::Relaxed);
             if v != TOMB && drop(v) {
+                let key = slot.key.load(Ordering::Relaxed);
                 if Overflow::is_many(v) {
-                    overflow.lock().remove(&(slot.key.load(Ordering::Relaxed), v & HOLDER));
+                    overflow.lock().remove(&(key, v & HOLDER));
                 }
                 slot.val.store(TOMB, Ordering::Release);
+                self.changed(&Probe::new(key));
                 removed += 1;
             }
         }

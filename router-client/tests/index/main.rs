@@ -2,6 +2,7 @@
 //! lookups that follow stored runs, and lookups racing snapshot swaps.
 
 mod concurrency;
+mod memo;
 mod random;
 mod rules;
 mod runs;

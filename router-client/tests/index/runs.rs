@@ -249,3 +249,43 @@ fn lookups_following_a_static_workers_long_runs_stay_exact_while_pages_churn() {
     }
     writer.stop();
 }
+
+/// A popular prefix: block 0 held by every worker (over a thousand, so the lookup sorts its
+/// holders by worker id in two radix passes), in one tier or several, with each worker's
+/// tiers ending at different blocks and some workers holding later blocks only in another tier.
+#[test]
+fn a_block_held_by_many_workers_in_several_tiers_answers_exactly() {
+    let mut p = pair();
+    let s = seq(9, 12);
+    let mut rng = StdRng::seed_from_u64(7);
+    // Ids up to 1,100 (the radix sort's digit is 10 bits), interleaved so that the table's
+    // order of block 0's holders is not the workers' order.
+    for k in 0..1100u32 {
+        let worker = (k * 7) % 1100;
+        let depth = rng.random_range(1..=s.len());
+        p.store(w(worker), TierId::DEVICE, &s[..depth]);
+        if worker % 3 == 0 {
+            // A second tier holding a shorter or longer run.
+            let host = rng.random_range(1..=s.len());
+            p.store(w(worker), TierId::HOST, &s[..host]);
+        }
+        if worker % 5 == 0 && depth < s.len() {
+            // The any-tier run goes on in a tier that did not hold block 0.
+            let more = rng.random_range(depth + 1..=s.len());
+            p.store(w(worker), t(9), &s[depth..more]);
+        }
+    }
+    for len in [1, 2, 3, 7, 12] {
+        let r = p.lookup(&s[..len]);
+        assert_eq!(r.len(), 1100, "every worker holds block 0 (request of {len} blocks)");
+    }
+    // Fewer holders than the radix path's threshold, and holders with ids under 1,024 only.
+    let u = seq(10, 5);
+    for worker in [5u32, 900, 17, 3] {
+        p.store(w(worker), TierId::HOST, &u[..(worker as usize % 5) + 1]);
+    }
+    let r = p.lookup(&u);
+    let got: Vec<(u32, u32)> = r.iter().map(|m| (m.worker.get(), m.blocks)).collect();
+    assert_eq!(got, vec![(3, 4), (5, 1), (17, 3), (900, 1)]);
+    p.check_counts();
+}
