@@ -76,7 +76,7 @@
 //! of them. Building them (reading the block's holders over many groups, sorting them by
 //! worker, reading each worker's generation word) was most of such a lookup, and it gave the
 //! same answer every time until the block's holders changed. So a lookup thread keeps block
-//! 0's candidates and pairs for up to 64 first blocks with at least 16 holders, each stamped
+//! 0's candidates and pairs for up to 64 first blocks with at least 8 holders, each stamped
 //! with the block's table id, the block's *version* and the swap sequence, and reuses them
 //! while all three are unchanged. A key with more than seven holders has overflowed its home
 //! group, and from then on every change of its holders or of their entries raises one of 64
@@ -370,7 +370,7 @@ impl Scratch {
 /// Holders of block 0 from which a lookup keeps its candidates for the next lookups of the
 /// same first block. At least eight: a key with more holders than its home group's seven
 /// slots is crowded, so every change of it raises its version.
-const MEMO_HOLDERS: usize = 16;
+const MEMO_HOLDERS: usize = 8;
 /// First blocks whose candidates a thread keeps (all dropped when a new one would exceed it).
 const MEMO_KEYS: usize = 64;
 
@@ -805,9 +805,8 @@ impl PrefixIndex {
     fn gather(&self, tables: &Tables, window: &[u64], s: &mut Scratch) {
         let probes = Self::probes(window);
         let probes = &probes[..window.len()];
-        if probes.len() > 1 {
-            Self::touch(tables, self.shard_mask, probes);
-        }
+        // Even for one probe: its control word and slots are separate lines, loaded together.
+        Self::touch(tables, self.shard_mask, probes);
         s.holders.clear();
         for (k, p) in probes.iter().enumerate() {
             let holders = &mut s.holders;

@@ -111,3 +111,21 @@ fn kept_candidates_stay_exact_while_a_crowded_first_block_churns() {
     let got: Vec<(u32, u32)> = r.iter().map(|m| (m.worker.get(), m.blocks)).collect();
     assert_eq!(got, (0..20u32).map(|k| (k, 5)).collect::<Vec<_>>());
 }
+
+/// Eight holders, the fewest whose candidates are kept (one more than a group's slots).
+#[test]
+fn kept_candidates_of_a_block_with_eight_holders_follow_changes() {
+    let mut p = pair();
+    let s = seq(4, 3);
+    for k in 0..8u32 {
+        p.store(w(k), TierId::DEVICE, &s[..1 + k as usize % 3]);
+    }
+    assert_eq!(p.lookup(&s).len(), 8);
+    assert_eq!(p.lookup(&s).len(), 8);
+    p.remove(w(3), TierId::DEVICE, &s[..1]);
+    assert_eq!(p.lookup(&s).len(), 7);
+    p.store(w(3), TierId::HOST, &s[..1]);
+    p.store(w(50), TierId::DEVICE, &s);
+    let r = p.lookup(&s);
+    assert_eq!((r.len(), r.blocks(w(50)), r.get(w(3)).unwrap().tier(TierId::HOST)), (9, 3, 1));
+}
