@@ -207,6 +207,26 @@ struct Journal {
 }
 
 impl Writer {
+    /// `Err(Failed)` (counted under `op`) once a write of the store failed.
+    fn usable(&self, op: &'static str, dir: &Path) -> Result<(), StoreError> {
+        match &self.failed {
+            Some(first) => Err(count(op, StoreError::Failed { dir: dir.to_path_buf(), first: first.clone() })),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts `e` under `op`. An error from the disk or from sled also fails the store: after an
+    /// I/O error sled refuses further writes, and fails reads too, until it is reopened.
+    fn fail(&mut self, op: &'static str, e: StoreError) -> StoreError {
+        if matches!(
+            e,
+            StoreError::DiskFull { .. } | StoreError::ReadOnly { .. } | StoreError::Io { .. } | StoreError::Sled { .. }
+        ) {
+            self.failed = Some(e.to_string());
+        }
+        count(op, e)
+    }
+
     /// Called under the commit lock before `keys` are written: each open snapshot keeps the value
     /// a key had at its cursor, the first time the key changes.
     fn journal<'k>(&mut self, data: &sled::Tree, keys: impl Iterator<Item = &'k [u8]>) -> Result<(), sled::Error> {
@@ -521,9 +541,7 @@ impl Store {
         }
         let inner = &*self.inner;
         let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(first) = &w.failed {
-            return Err(count("commit", StoreError::Failed { dir: inner.dir.clone(), first: first.clone() }));
-        }
+        w.usable("commit", &inner.dir)?;
         let mut txn = Txn {
             data: &inner.data,
             dir: &inner.dir,
@@ -542,21 +560,9 @@ impl Store {
                     out.push(record);
                     sizes.push(size);
                 }
-                Err(e) => {
-                    // After an I/O error sled fails its reads too (its flusher may hit the full
-                    // disk before any write of ours does): the store is failed as surely as
-                    // when the batch itself fails, and must be reopened.
-                    if matches!(
-                        e,
-                        StoreError::DiskFull { .. }
-                            | StoreError::ReadOnly { .. }
-                            | StoreError::Io { .. }
-                            | StoreError::Sled { .. }
-                    ) {
-                        w.failed = Some(e.to_string());
-                    }
-                    return Err(count("commit", e));
-                }
+                // A read failing on an I/O error fails the store as the batch would (sled's
+                // flusher may hit a full disk before any write of ours does).
+                Err(e) => return Err(w.fail("commit", e)),
             }
         }
         let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
@@ -565,9 +571,7 @@ impl Store {
         let batch = txn.into_batch(&w.ranks, &sweeps).map_err(|e| count("commit", e))?;
         let written = w.journal(&inner.data, overlay_keys.iter().map(Vec::as_slice));
         if let Err(e) = written.and_then(|()| inner.data.apply_batch(batch)) {
-            let e = StoreError::sled("commit", &inner.dir, e);
-            w.failed = Some(e.to_string());
-            return Err(count("commit", e));
+            return Err(w.fail("commit", StoreError::sled("commit", &inner.dir, e)));
         }
         w.counters = counters;
         w.ranks = ranks;
@@ -829,14 +833,8 @@ impl Store {
     pub fn flush(&self) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(first) = &w.failed {
-            return Err(count("flush", StoreError::Failed { dir: inner.dir.clone(), first: first.clone() }));
-        }
-        inner.db.flush().map(drop).map_err(|e| {
-            let e = StoreError::sled("flush", &inner.dir, e);
-            w.failed = Some(e.to_string());
-            count("flush", e)
-        })
+        w.usable("flush", &inner.dir)?;
+        inner.db.flush().map(drop).map_err(|e| w.fail("flush", StoreError::sled("flush", &inner.dir, e)))
     }
 
     /// Bytes sled has on disk.
