@@ -581,7 +581,9 @@ impl PrefixIndex {
                 }
             }
         }
-        self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
+        if out.missing > 0 {
+            self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
+        }
         out
     }
 
