@@ -132,9 +132,10 @@
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
-//!   (about 50 bytes per holder) and each write to a crowded key (or a key sharing its
-//!   stripe's home-group overflow) an atomic increment. A version shared by a stripe can be
-//!   raised by another crowded key's change: the candidates are then rebuilt, never wrong.
+//!   (about 50 bytes per holder), and each slot born, dead or moved under a key whose home
+//!   group has overflowed (every crowded key, and any key homed in such a group) an atomic
+//!   increment. A version counter is shared by the keys of its stripe, so another key's
+//!   change can raise it: the candidates are then rebuilt, never wrong.
 
 mod grace;
 mod ids;
