@@ -79,8 +79,8 @@
 //! 0's candidates and pairs for up to 64 first blocks with at least 8 holders, each stamped
 //! with the block's table id, the block's *version* and the swap sequence, and reuses them
 //! while all three are unchanged. A key with more than seven holders has overflowed its home
-//! group, and from then on every change of its holders or of their entries raises one of 1,024
-//! version counters of its table (by hash), after the change (`table.rs`, Versions of
+//! group, and from then on every change of its holders or of their entries raises one of its
+//! table's version counters (by hash; one per eight groups), after the change (`table.rs`, Versions of
 //! crowded keys); a rebuilt table has a new id; the tags a lookup counts depend only on the
 //! swap sequence. The kept candidates are therefore exactly what reading the table would
 //! give. Block 0's holders are sorted by a radix sort on the worker id when there are many,

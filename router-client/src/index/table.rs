@@ -28,7 +28,7 @@
 //!
 //! **Versions of crowded keys.** A key whose home group has overflowed (every key held by
 //! more than seven holders is one: its slots cannot all fit its home group) has a version:
-//! one of [`STRIPES`] counters, by hash, that every change of such a key's set of holders or
+//! one of the table's version counters (one per eight groups, 64 to 4,096), by hash, that every change of such a key's set of holders or
 //! of a holder's entry raises *after* the change (a slot born, dead or moved; copy counts do
 //! not count). Overflow counts only grow until the table is rebuilt (and a rebuilt table is a
 //! new table with a new [`Table::id`]), so once a key is crowded every later change of it
@@ -64,10 +64,12 @@ const LO: u64 = 0x0101_0101_0101_0101;
 const EMPTY_WORD: u64 = HI;
 const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
-/// Version counters per table (see the module docs): 8 KiB a table. With 64, writes to other
-/// keys of a stripe invalidated 7.4% of the kept candidates in the 128-worker bench; with
-/// 1,024, 1.6%.
-pub(super) const STRIPES: usize = 1024;
+/// Groups per version counter (see the module docs), and the bounds of their number. With 64
+/// counters a table, changes of other keys of a counter invalidated 7.4% of the kept
+/// candidates in the 128-worker bench, and 1.6% with 1,024 (what this gives there); a small
+/// table keeps few, so that they stay in cache.
+const GROUPS_PER_VERSION: usize = 8;
+const VERSIONS: std::ops::RangeInclusive<usize> = 64..=4096;
 
 /// Ids of tables, never reused.
 static TABLE_IDS: AtomicU64 = AtomicU64::new(0);
@@ -158,9 +160,9 @@ impl Probe {
         (self.mixed >> 32) as usize & mask
     }
 
-    /// Bits 40..50: the key's version counter.
-    fn stripe(&self) -> usize {
-        (self.mixed >> 40) as usize & (STRIPES - 1)
+    /// Bits 40..52: the key's version counter (of `counters`, a power of two up to 4,096).
+    fn stripe(&self, counters: usize) -> usize {
+        (self.mixed >> 40) as usize & (counters - 1)
     }
 
     /// Bits 57..64: the control-byte fingerprint (0..=0x7f).
@@ -235,7 +237,9 @@ impl Table {
     fn with_groups(groups: usize) -> Self {
         Self {
             id: TABLE_IDS.fetch_add(1, Ordering::Relaxed),
-            versions: (0..STRIPES).map(|_| AtomicU64::new(0)).collect(),
+            versions: (0..(groups / GROUPS_PER_VERSION).next_power_of_two().clamp(*VERSIONS.start(), *VERSIONS.end()))
+                .map(|_| AtomicU64::new(0))
+                .collect(),
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
             live: AtomicUsize::new(0),
@@ -263,21 +267,21 @@ impl Table {
     /// The version of `p`'s key (meaningful for crowded keys only; see the module docs).
     /// Read it before reading the key's holders.
     pub fn version(&self, p: &Probe) -> u64 {
-        self.versions[p.stripe()].load(Ordering::SeqCst)
+        self.versions[p.stripe(self.versions.len())].load(Ordering::SeqCst)
     }
 
     /// After a change of `p`'s holders: raises the key's version if the key is crowded.
     fn changed(&self, p: &Probe) {
         let home = p.home(self.ctrl.len());
         if overflowed(self.ctrl[home].load(Ordering::Relaxed)) {
-            self.versions[p.stripe()].fetch_add(1, Ordering::SeqCst);
+            self.versions[p.stripe(self.versions.len())].fetch_add(1, Ordering::SeqCst);
         }
     }
 
     /// Heap bytes of this table (control words, slots, versions) plus its header.
     pub fn bytes(&self) -> usize {
         std::mem::size_of::<Self>()
-            + (STRIPES + self.ctrl.len()) * std::mem::size_of::<AtomicU64>()
+            + (self.versions.len() + self.ctrl.len()) * std::mem::size_of::<AtomicU64>()
             + self.slots.len() * std::mem::size_of::<Slot>()
     }
 
