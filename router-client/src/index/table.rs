@@ -28,9 +28,9 @@
 //!
 //! **Versions of crowded keys.** A key whose home group has overflowed (every key held by
 //! more than seven holders is one: its slots cannot all fit its home group) has a version:
-//! one of the table's version counters (one per eight groups, 64 to 4,096), by hash, that every change of such a key's set of holders or
-//! of a holder's entry raises *after* the change (a slot born, dead or moved; copy counts do
-//! not count). Overflow counts only grow until the table is rebuilt (and a rebuilt table is a
+//! one of the table's version counters (one per eight groups, 64 to 4,096), by hash, that
+//! every change of such a key's set of holders or of a holder's entry raises *after* the
+//! change (a slot born, dead or moved; copy counts do not count). Overflow counts only grow until the table is rebuilt (and a rebuilt table is a
 //! new table with a new [`Table::id`]), so once a key is crowded every later change of it
 //! raises its version. A lookup that reads the version, then sees at least eight holders of
 //! the key, may keep what it read for as long as the table and the version stay the same
@@ -270,7 +270,8 @@ impl Table {
         self.versions[p.stripe(self.versions.len())].load(Ordering::SeqCst)
     }
 
-    /// After a change of `p`'s holders: raises the key's version if the key is crowded.
+    /// After a change of `p`'s holders or of a holder's entry: raises the key's version if its
+    /// home group has overflowed (so for every crowded key).
     fn changed(&self, p: &Probe) {
         let home = p.home(self.ctrl.len());
         if overflowed(self.ctrl[home].load(Ordering::Relaxed)) {
