@@ -552,14 +552,10 @@ impl Store {
             ranks: w.ranks.clone(),
             sweeps: BTreeSet::new(),
         };
-        let mut out = Vec::with_capacity(bodies.len());
-        let mut sizes = Vec::with_capacity(bodies.len());
+        let mut committed = Vec::with_capacity(bodies.len());
         for body in bodies {
             match txn.apply(body) {
-                Ok((record, size)) => {
-                    out.push(record);
-                    sizes.push(size);
-                }
+                Ok((record, size)) => committed.push(Arc::new(Committed::new(record, size))),
                 // A read failing on an I/O error fails the store as the batch would (sled's
                 // flusher may hit a full disk before any write of ours does).
                 Err(e) => return Err(w.fail("commit", e)),
@@ -575,8 +571,6 @@ impl Store {
         }
         w.counters = counters;
         w.ranks = ranks;
-        let committed: Vec<Arc<Committed>> =
-            out.into_iter().zip(sizes).map(|(r, size)| Arc::new(Committed::new(r, size))).collect();
         inner.recent.write().unwrap_or_else(|p| p.into_inner()).push(committed.iter().cloned(), counters.oldest);
         *inner.view.write().unwrap_or_else(|p| p.into_inner()) = View { counters, ranks: w.ranks.clone() };
         drop(w);
