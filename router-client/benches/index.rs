@@ -61,8 +61,8 @@ static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
 enum Op {
     Store {
         worker: u32,
-        /// The block before the first stored one (Dynamo's trees link to it).
-        #[cfg_attr(not(feature = "dynamo-bench"), allow(dead_code))]
+        /// The block before the first stored one (Dynamo's trees link to it, and so do the
+        /// index's runs).
         parent: Option<u64>,
         hashes: Vec<u64>,
     },
@@ -346,7 +346,7 @@ fn wid(raw: u32) -> WorkerId {
 impl Direct for PrefixIndex {
     fn apply(&self, op: &Op) {
         match op {
-            Op::Store { worker, hashes, .. } => self.store(wid(*worker), TierId::DEVICE, hashes),
+            Op::Store { worker, parent, hashes } => self.store_after(wid(*worker), TierId::DEVICE, *parent, hashes),
             Op::Remove { worker, hashes } => {
                 self.remove(wid(*worker), TierId::DEVICE, hashes);
             }

@@ -439,7 +439,7 @@ impl RelayAdmission {
                     };
                     hashes.clear();
                     hashes.extend(s.blocks.iter().map(|b| b.hash));
-                    index.store(id, tier, &hashes);
+                    index.store_after(id, tier, s.parent, &hashes);
                 }
                 Some(E::Removed(r)) => {
                     let Some(tier) = tier_of(index, r.tier, &r.tier_name) else {

@@ -61,15 +61,24 @@
 //! long as every pair's entries are valid and equal the request's next hashes: the blocks of
 //! one stored event cost a sequential scan, not a probe each. Where a pair's run stops (a
 //! removal in the middle, another event's blocks, the page's end, a block held in another
-//! tier), the lookup probes that one block, which answers exactly for every pair and gives
-//! their next entries. Nothing is inferred from a mismatch, so any store order, hashes that
-//! are not chained, the same hash in several runs, or parents held by other workers stay
-//! exact; they only cost probes. With many pairs (a popular prefix) it probes as before: one
+//! tier), the lookup first tries the entry's *link*, and else probes that one block, which
+//! answers exactly for every pair and gives their next entries. A link is left by a writer
+//! where a holder's blocks go on elsewhere: a stored event continuing an earlier event of the
+//! same holder ([`PrefixIndex::store_after`] with the engine's parent hash: a conversation's
+//! next turn, stored after other requests' blocks), or an event crossing into a new page. A
+//! page keeps 8 links (by offset; a newer one replaces an older one of its slot), and a link
+//! is only a hint: its target counts only if it is a valid entry equal to the next hash, in a
+//! page whose stamp (owner and tenure, read before and after) says the pair's holder owns it
+//! (`runs.rs`, Links). So a conversation of many turns is read turn after turn with one cache
+//! miss per turn (the target's page) instead of a probe and a page read. Nothing is inferred
+//! from a mismatch, so any store order, hashes that are not chained, the same hash in several
+//! runs, or parents held by other workers stay exact; they only cost probes. With many pairs (a popular prefix) it probes as before: one
 //! block at a time while they drop out, then windows of 8 blocks whose cache misses overlap
 //! (it touches their home groups before reading any). Pages whose entries all died are freed
 //! and reused after a grace period (so no lookup reads a page that changed owner under it);
 //! a page left a quarter full by removals is compacted (its live entries move, in order, to
-//! the holder's current page). Cost: 8 bytes per (holder, block) plus page slack.
+//! the holder's current page). Cost: 8 bytes per (holder, block) plus page slack, and 48
+//! bytes per page of 64 entries (its valid word, stamp and links).
 //!
 //! **Crowded first blocks.** A system prompt's first block is held by every worker, so a
 //! lookup starting with it makes a candidate per worker (hundreds) before block 1 drops most
@@ -122,9 +131,12 @@
 //! - Tombstones linger until the shard's next rebuild (they only cost probe length).
 //! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
 //! - Runs follow store order, not request order: a conversation whose turns were stored as
-//!   separate events is one run per turn, so its lookup probes once per turn (and once per
-//!   page of 64 blocks). Runs are followed for few pairs only: a block held by many workers
-//!   is still a probe, and its holders are spread over several groups.
+//!   separate events is one run per turn, joined by links when the events came with their
+//!   parent hash (else a probe per turn). A page's 8 link slots are shared by its entries: a
+//!   turn whose link was replaced costs a probe. Runs are followed for few pairs only: a
+//!   block held by many workers is still a probe, and its holders are spread over several
+//!   groups. A resync's snapshot is stored block by block in the snapshot's order, without
+//!   parents: until the worker's next events, its lookups probe more.
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
 //!   free or compact a page (moving up to 16 entries, a probe each). Freed pages are
 //!   reused once a grace period has passed; writers start it and never wait for it (they
@@ -508,25 +520,27 @@ impl PrefixIndex {
     }
 
     /// Adds copies under the shard's lock, rebuilding the shard's table when it is full. A
-    /// new slot gets the holder's next run entry. `cursors` is the holder's lock.
-    fn add(&self, p: &Probe, holder: u64, copies: u32, cursors: &mut Cursors) {
+    /// new slot gets the holder's next run entry. `cursors` is the holder's lock. Returns the
+    /// slot's entry (`NO_ENTRY` if none).
+    fn add(&self, p: &Probe, holder: u64, copies: u32, cursors: &mut Cursors) -> u32 {
         let s = p.shard(self.shard_mask);
         let mut table = lock(&self.shard_locks[s].0);
         let mut entry = || self.runs.append(cursors, holder, p.hash, &self.grace);
-        let added = match table.add(p, holder, copies, &mut entry, &self.overflow) {
-            Added::Done { saturated } => saturated,
+        let (saturated, entry) = match table.add(p, holder, copies, &mut entry, &self.overflow) {
+            Added::Done { saturated, entry } => (saturated, entry),
             Added::Full => {
                 let bigger = table.rebuilt(1);
-                let Added::Done { saturated } = bigger.add(p, holder, copies, &mut entry, &self.overflow) else {
+                let Added::Done { saturated, entry } = bigger.add(p, holder, copies, &mut entry, &self.overflow) else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
                 };
                 self.publish(s, &mut table, bigger);
-                saturated
+                (saturated, entry)
             }
         };
-        if added {
+        if saturated {
             self.saturated_stores.fetch_add(1, Ordering::Relaxed);
         }
+        entry
     }
 
     /// Tombstones the entries matching `drop` in every shard, compacting shards left sparse.
@@ -542,16 +556,44 @@ impl PrefixIndex {
 
     /// Adds one copy of each hash to `(worker, tier)`.
     pub fn store(&self, worker: WorkerId, tier: TierId, hashes: &[u64]) {
+        self.store_after(worker, tier, None, hashes);
+    }
+
+    /// [`store`](Self::store) of a stored event whose blocks continue `parent` (the hash the
+    /// engine stored them after): lookups then follow the worker's blocks from the parent's
+    /// into these without a probe (module docs, Links). The parent only guides that layout:
+    /// absent, wrong, not held, or held by other workers, the index holds and answers exactly
+    /// what [`store`](Self::store) would.
+    pub fn store_after(&self, worker: WorkerId, tier: TierId, parent: Option<u64>, hashes: &[u64]) {
         let _w = self.worker_lock(worker).read().unwrap_or_else(PoisonError::into_inner);
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut cursors = self.runs.lock(holder);
-        for chunk in hashes.chunks(WINDOW) {
+        // The entry before the next block's: the parent's, then each block's. The parent's is
+        // read without the shard's lock: only this holder's writers change its slots, and we
+        // hold its lock.
+        let parent = parent.filter(|_| !hashes.is_empty()).map(Probe::new);
+        let mut prev = table::NO_ENTRY;
+        for (c, chunk) in hashes.chunks(WINDOW).enumerate() {
             let probes = Self::probes(chunk);
             let probes = &probes[..chunk.len()];
-            Self::touch(&self.tables.load(), self.shard_mask, probes);
+            let tables = self.tables.load();
+            let parent = parent.filter(|_| c == 0);
+            if let Some(pp) = &parent {
+                Self::touch(&tables, self.shard_mask, std::slice::from_ref(pp));
+            }
+            Self::touch(&tables, self.shard_mask, probes);
+            if let Some(pp) = &parent {
+                prev = tables[pp.shard(self.shard_mask)].entry(pp, holder).unwrap_or(table::NO_ENTRY);
+            }
+            drop(tables);
             for p in probes {
-                self.add(p, holder, 1, &mut cursors);
+                let entry = self.add(p, holder, 1, &mut cursors);
+                // Adjacent entries of one page need no link: lookups read on.
+                if entry != prev.wrapping_add(1) || prev % PAGE == PAGE - 1 {
+                    self.runs.link(prev, entry);
+                }
+                prev = entry;
             }
         }
     }
@@ -760,9 +802,11 @@ impl PrefixIndex {
         });
     }
 
-    /// Follows every alive (candidate, tier) through its holder's run: the number of blocks
-    /// of `hashes` that every one of them holds by its run alone (each pair's entry moves on
-    /// by as many). 0 when one of them cannot go on that way.
+    /// Follows every alive (candidate, tier) through its holder's runs: the number of blocks
+    /// of `hashes` that every one of them holds by its runs alone (each pair's entry moves to
+    /// its last one). 0 when one of them cannot go on that way. A pair goes on in its page
+    /// while the next entries are valid and equal the next hashes, and where they are not, at
+    /// its entry's link if the link's target checks out (module docs, Links).
     fn follow(&self, hashes: &[u64], pairs: &mut [u32]) -> usize {
         if pairs.len() > 1 {
             // Load every page's first line before comparing any: their misses overlap.
@@ -772,20 +816,67 @@ impl PrefixIndex {
             }
             std::hint::black_box(sink);
         }
-        let mut m = hashes.len();
-        for &entry in pairs.iter() {
-            let Some(page) = self.runs.page(entry) else {
-                return 0;
-            };
-            m = page.matching(entry % PAGE + 1, &hashes[..m]);
-            if m == 0 {
-                return 0;
+        debug_assert!(pairs.len() <= FOLLOW);
+        // Per pair: 0 while its page is one a live slot named (the grace period keeps it the
+        // holder's during this lookup), else the stamp its page had when the pair linked to it.
+        let mut stamps = [0u64; FOLLOW];
+        let mut bases = [0u32; FOLLOW];
+        let mut done = 0;
+        while done < hashes.len() {
+            let mut m = hashes.len() - done;
+            for (k, &entry) in pairs.iter().enumerate() {
+                let (base, n) = self.next_of(entry, &mut stamps[k], &hashes[done..done + m]);
+                if n == 0 {
+                    return done;
+                }
+                (bases[k], m) = (base, n);
             }
+            for (entry, base) in pairs.iter_mut().zip(bases) {
+                *entry = base.wrapping_add(m as u32);
+            }
+            done += m;
         }
-        for entry in pairs.iter_mut() {
-            *entry += m as u32;
+        done
+    }
+
+    /// How many of `hashes` a pair whose last matched block is at `entry` holds next by its
+    /// runs, and the entry just before the first of them (`entry`, or a link's target minus
+    /// one). `stamp` is the pair's page stamp (see [`follow`](Self::follow)), updated on a link.
+    #[inline]
+    fn next_of(&self, entry: u32, stamp: &mut u64, hashes: &[u64]) -> (u32, usize) {
+        let Some(page) = self.runs.page(entry) else {
+            return (entry, 0);
+        };
+        let checked = *stamp != 0;
+        if checked && page.stamp() != *stamp {
+            return (entry, 0);
         }
-        m
+        let n = page.matching(entry % PAGE + 1, hashes);
+        if checked && !page.still(*stamp) {
+            return (entry, 0);
+        }
+        if n > 0 {
+            return (entry, n);
+        }
+        let Some(to) = page.link(entry % PAGE) else {
+            return (entry, 0);
+        };
+        // The pair's holder: its page's owner (a page a live slot named is the holder's or,
+        // once all its entries died, free).
+        let owner = if checked { *stamp } else { page.stamp() };
+        let (Some(holder), Some(target)) = (runs::owner(owner), self.runs.page(to)) else {
+            return (entry, 0);
+        };
+        let at = target.stamp();
+        if !runs::owned_by(at, holder) {
+            return (entry, 0);
+        }
+        let n = target.matching(to % PAGE, hashes);
+        if n == 0 || !target.still(at) {
+            return (entry, 0);
+        }
+        *stamp = at;
+        (to.wrapping_sub(1), n)
     }
 
     /// The tag a lookup that started at `seq0` counts for `worker`.

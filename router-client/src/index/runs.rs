@@ -19,10 +19,22 @@
 //! lookup that got an entry from a live slot never reads a page that changed owner under it.
 //! Writers do not wait for that grace period: they start one and check at later allocations
 //! whether it has ended, taking fresh pages meanwhile.
+//!
+//! **Links.** Where a holder's next block was not written right after the previous one (a
+//! stored event continuing an earlier event of its holder: a conversation's next turn; or an
+//! event crossing into a new page), the writer leaves a *link* in the previous entry's page:
+//! "after entry `k`, go on at entry `t`". A page has [`LINKS`] link slots, chosen by offset (a
+//! newer link of the same slot replaces an older one). A link is only a hint: a lookup that
+//! follows one proves nothing by it, it checks the target entry as it checks any entry, and
+//! because the target page was not reached through a live slot (so the grace period does not
+//! keep it from changing owner), it also checks the page's *stamp* before and after reading it.
+//! The stamp is the page's owner and an epoch that rises each time the page is handed out; a
+//! lookup that reads the same owned stamp before and after the page's entries read them within
+//! one owner's tenure, where a valid entry proves that owner holds its hash.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use super::grace::Grace;
@@ -38,16 +50,77 @@ const CHUNK: usize = 512;
 const CHUNKS: usize = (1 << 26) / PAGE as usize / CHUNK;
 /// Stripes of the holder cursors (the holder locks).
 const STRIPES: usize = 64;
+/// Link slots per page (see the module docs, Links).
+const LINKS: usize = 8;
+/// Bits of a link's target entry (entries stop below 2^26: `CHUNKS`).
+const LINK_BITS: u32 = 26;
+const LINK_TARGET: u32 = (1 << LINK_BITS) - 1;
+
+/// A page's stamp while a holder owns it: this bit, the epoch (bits 32..63) and the holder's
+/// bits (`holder >> 34`, 30 bits). A free page's stamp has only its epoch.
+const OWNED: u64 = 1 << 31;
+const STAMP_HOLDER: u64 = OWNED - 1;
+const HOLDER_SHIFT: u32 = 34;
+
+/// True if `stamp` is a page's stamp while `holder` owns it (some tenure of it).
+#[inline]
+pub(super) fn owned_by(stamp: u64, holder: u64) -> bool {
+    stamp & (OWNED | STAMP_HOLDER) == OWNED | (holder >> HOLDER_SHIFT)
+}
+
+/// The holder of an owned stamp (`None` if free).
+#[inline]
+pub(super) fn owner(stamp: u64) -> Option<u64> {
+    (stamp & OWNED != 0).then_some((stamp & STAMP_HOLDER) << HOLDER_SHIFT)
+}
+
+/// The link slot of offset `k`: spreads offsets a multiple of 8 apart (events of 8 blocks).
+#[inline]
+fn link_slot(k: u32) -> usize {
+    ((k ^ (k >> 3)) as usize) % LINKS
+}
 
 pub(super) struct Page {
     /// Bit `k`: entry `k` is the entry of a live slot.
     valid: AtomicU64,
+    /// Owner and epoch (see [`owned_by`]).
+    stamp: AtomicU64,
+    /// `offset << LINK_BITS | target entry`: after entry `offset`, the holder's blocks go on at
+    /// `target` (a hint; see the module docs, Links).
+    links: [AtomicU32; LINKS],
     hashes: [AtomicU64; PAGE as usize],
 }
 
 impl Page {
     fn new() -> Self {
-        Self { valid: AtomicU64::new(0), hashes: std::array::from_fn(|_| AtomicU64::new(0)) }
+        Self {
+            valid: AtomicU64::new(0),
+            stamp: AtomicU64::new(0),
+            links: std::array::from_fn(|_| AtomicU32::new(0)),
+            hashes: std::array::from_fn(|_| AtomicU64::new(0)),
+        }
+    }
+
+    /// The page's stamp (`Acquire`: entries read after it are at least as new).
+    #[inline]
+    pub fn stamp(&self) -> u64 {
+        self.stamp.load(Ordering::Acquire)
+    }
+
+    /// True if the page's stamp is still `stamp` after the reads of its entries before this
+    /// call (a seqlock's second read: every page change of a new tenure is written after its
+    /// stamp, behind a `Release` fence).
+    #[inline]
+    pub fn still(&self, stamp: u64) -> bool {
+        fence(Ordering::Acquire);
+        self.stamp.load(Ordering::Relaxed) == stamp
+    }
+
+    /// The entry a link says follows entry `offset` of this page, if there is one (a hint).
+    #[inline]
+    pub fn link(&self, offset: u32) -> Option<u32> {
+        let l = self.links[link_slot(offset)].load(Ordering::Relaxed);
+        (l >> LINK_BITS == offset).then_some(l & LINK_TARGET)
     }
 
     /// Loads the lines holding the `valid` word and entry `offset` (see `Table::touch`).
@@ -114,11 +187,7 @@ struct PoolState {
     /// The grace period of `waiting`: the parity its last flip gave, and whether that flip
     /// was its second (then its end frees `waiting`).
     pending: Option<(usize, bool)>,
-    /// The holder owning each page handed out (`FREE` when free or in limbo).
-    owner: Vec<u64>,
 }
-
-const FREE: u64 = u64::MAX;
 /// The page of a cursor that has none yet.
 const NO_PAGE: u32 = u32::MAX;
 
@@ -150,6 +219,19 @@ impl Runs {
     pub fn page(&self, entry: u32) -> Option<&Page> {
         let page = (entry / PAGE) as usize;
         self.chunks.get(page / CHUNK)?.get().map(|c| &c[page % CHUNK])
+    }
+
+    /// Leaves a link in `from`'s page: after `from`, `holder`'s blocks go on at `to`. Caller
+    /// holds the holder's lock and `from` is the entry of a live slot of the holder (so its page
+    /// is the holder's). Nothing when either has no entry.
+    pub fn link(&self, from: u32, to: u32) {
+        if from == table::NO_ENTRY || to > LINK_TARGET {
+            return;
+        }
+        if let Some(p) = self.page(from) {
+            let k = from % PAGE;
+            p.links[link_slot(k)].store((k << LINK_BITS) | to, Ordering::Relaxed);
+        }
     }
 
     /// The lock of `holder`'s pages (a stripe shared with other holders). Writers of a holder
@@ -215,13 +297,20 @@ impl Runs {
     pub fn drop_pages(&self, drop: impl Fn(u64) -> bool) {
         let mut st = lock(&self.state);
         for page in 0..st.fresh {
-            let owner = st.owner[page as usize];
-            if owner != FREE && drop(owner) {
-                self.page(page * PAGE).expect("allocated").valid.store(0, Ordering::Release);
-                st.owner[page as usize] = FREE;
+            let p = self.page(page * PAGE).expect("allocated");
+            if owner(p.stamp.load(Ordering::Relaxed)).is_some_and(&drop) {
+                p.valid.store(0, Ordering::Release);
+                Self::disown(p);
                 st.limbo.push(page);
             }
         }
+    }
+
+    /// Marks a page free in its stamp (its entries are all invalid by now). Caller holds the
+    /// pool's lock.
+    fn disown(p: &Page) {
+        let stamp = p.stamp.load(Ordering::Relaxed);
+        p.stamp.store(stamp & !(OWNED | STAMP_HOLDER), Ordering::Release);
     }
 
     fn free_if_empty(&self, page: u32) {
@@ -232,8 +321,9 @@ impl Runs {
 
     fn free(&self, page: u32) {
         let mut st = lock(&self.state);
-        if st.owner[page as usize] != FREE {
-            st.owner[page as usize] = FREE;
+        let p = self.page(page * PAGE).expect("a freed page exists");
+        if p.stamp.load(Ordering::Relaxed) & OWNED != 0 {
+            Self::disown(p);
             st.limbo.push(page);
         }
     }
@@ -268,13 +358,19 @@ impl Runs {
                 let chunk = self.chunks.get(page as usize / CHUNK)?;
                 chunk.get_or_init(|| (0..CHUNK).map(|_| Page::new()).collect());
                 st.fresh += 1;
-                st.owner.push(FREE);
                 page
             }
         };
         let p = self.page(page * PAGE).expect("allocated");
+        // A new tenure: entries and links reset, then the stamp (a new epoch), then a fence, so
+        // that a lookup that reads anything this tenure writes also reads its stamp.
         p.valid.store(0, Ordering::Relaxed);
-        st.owner[page as usize] = holder;
+        for l in &p.links {
+            l.store(0, Ordering::Relaxed);
+        }
+        let epoch = (p.stamp.load(Ordering::Relaxed) >> 32).wrapping_add(1) << 32;
+        p.stamp.store(epoch | OWNED | (holder >> HOLDER_SHIFT), Ordering::Release);
+        fence(Ordering::Release);
         Some(page)
     }
 
@@ -292,7 +388,7 @@ impl Runs {
         let cursors: usize = self.cursors.iter().map(|c| lock(c).capacity() * (8 + 8 + 8)).sum();
         chunks * CHUNK * std::mem::size_of::<Page>()
             + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[Page]>>>()
-            + (st.owner.capacity() * 8 + (st.free.capacity() + st.limbo.capacity() + st.waiting.capacity()) * 4)
+            + (st.free.capacity() + st.limbo.capacity() + st.waiting.capacity()) * 4
             + cursors
             + STRIPES * std::mem::size_of::<Mutex<Cursors>>()
     }

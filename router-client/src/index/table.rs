@@ -208,8 +208,9 @@ pub(super) enum Subbed {
 /// Outcome of [`Table::add`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Added {
-    /// The copies were added (`saturated` if the counter hit `u32::MAX`).
-    Done { saturated: bool },
+    /// The copies were added (`saturated` if the counter hit `u32::MAX`); `entry` is the
+    /// slot's run entry (`NO_ENTRY` if none).
+    Done { saturated: bool, entry: u32 },
     /// A new slot was needed and the table is at its load limit: rebuild, then retry.
     Full,
 }
@@ -388,7 +389,7 @@ impl Table {
                     let sum = old + copies as u64;
                     let saturated = sum > u32::MAX as u64;
                     Self::set_copies(slot, p.hash, v, sum.min(u32::MAX as u64) as u32, overflow);
-                    return Added::Done { saturated };
+                    return Added::Done { saturated, entry: entry_of(v) };
                 }
             }
             if !overflowed(word) {
@@ -402,7 +403,8 @@ impl Table {
         if reuse.is_none() && self.live() + self.tombs() + 1 > self.max_used() {
             return Added::Full;
         }
-        let v = holder | ((entry() as u64) << ENTRY_SHIFT);
+        let entry = entry();
+        let v = holder | ((entry as u64) << ENTRY_SHIFT);
         let v = Self::fresh_copies(p.hash, v, copies, overflow);
         if let Some(i) = reuse {
             self.slots[i].val.store(v, Ordering::Release);
@@ -412,7 +414,7 @@ impl Table {
             self.place(p, v, Ordering::Release);
         }
         self.changed(p);
-        Added::Done { saturated: false }
+        Added::Done { saturated: false, entry }
     }
 
     /// `v` (copies field 0) with `copies` (> 0), recording a large count in the overflow map.
@@ -494,6 +496,12 @@ impl Table {
                 g = 0;
             }
         }
+    }
+
+    /// The entry of `holder`'s live slot of `p.hash` (`None` if it has none). Lock-free: sound
+    /// for a caller holding the holder's lock, as only the holder's writers change its slots.
+    pub fn entry(&self, p: &Probe, holder: u64) -> Option<u32> {
+        self.live_slot(p, holder).map(|(_, v)| entry_of(v))
     }
 
     /// Takes one copy from `holder` under `p.hash`. Caller holds the shard's mutex.

@@ -28,13 +28,18 @@ fn request(rng: &mut StdRng) -> Vec<u64> {
 
 /// A run of hashes taken from a request: its prefix mostly, sometimes a middle slice.
 fn blocks(rng: &mut StdRng) -> Vec<u64> {
+    chained(rng).1
+}
+
+/// [`blocks`] with the hash before them in their request (`None` for a prefix).
+fn chained(rng: &mut StdRng) -> (Option<u64>, Vec<u64>) {
     let r = request(rng);
     if rng.random_bool(0.7) {
-        r
+        (None, r)
     } else {
         let a = rng.random_range(0..r.len());
         let b = rng.random_range(a..r.len());
-        r[a..=b].to_vec()
+        (a.checked_sub(1).map(|p| r[p]), r[a..=b].to_vec())
     }
 }
 
@@ -77,8 +82,15 @@ fn run(seed: u64, ops: usize, config: IndexConfig) -> usize {
         let (wk, tr) = (worker(&mut rng), tier(&mut rng));
         match roll {
             0..=34 => {
-                let b = blocks(&mut rng);
-                p.store(wk, tr, &b);
+                // The parent the engine would send, mostly; else one of another request (held
+                // or not, by this holder or others), or none.
+                let (parent, b) = chained(&mut rng);
+                let parent = match rng.random_range(0..10) {
+                    0..=5 => parent,
+                    6..=7 => recent.last().and_then(|r| r.last().copied()),
+                    _ => None,
+                };
+                p.store_after(wk, tr, parent, &b);
                 recent.push(b);
             }
             35..=44 => {
@@ -158,7 +170,7 @@ fn random_operations_match_reference_seeds_8_to_15() {
 /// Small shrinkable cases: proptest finds a minimal failing sequence if the seeded run fails.
 #[derive(Clone, Debug)]
 enum Op {
-    Store(u32, u8, Vec<u64>),
+    Store(u32, u8, Option<u64>, Vec<u64>),
     Remove(u32, u8, Vec<u64>),
     Clear(u32, Option<u8>),
     Replace(u32, Vec<(u8, u64, u32)>),
@@ -171,7 +183,7 @@ fn hashes() -> impl Strategy<Value = Vec<u64>> {
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        4 => (0u32..3, 0u8..3, hashes()).prop_map(|(w, t, h)| Op::Store(w, t, h)),
+        4 => (0u32..3, 0u8..3, prop::option::of(0u64..12), hashes()).prop_map(|(w, t, p, h)| Op::Store(w, t, p, h)),
         3 => (0u32..3, 0u8..3, hashes()).prop_map(|(w, t, h)| Op::Remove(w, t, h)),
         1 => (0u32..3, prop::option::of(0u8..3)).prop_map(|(w, t)| Op::Clear(w, t)),
         1 => (0u32..3, prop::collection::vec((0u8..3, 0u64..12, 0u32..3), 0..8))
@@ -187,7 +199,7 @@ proptest! {
         let mut p = Pair::new(IndexConfig { shards: 2, initial_capacity: 0 });
         for op in ops {
             match op {
-                Op::Store(wk, tr, h) => p.store(w(wk), t(tr), &h),
+                Op::Store(wk, tr, parent, h) => p.store_after(w(wk), t(tr), parent, &h),
                 Op::Remove(wk, tr, h) => { p.remove(w(wk), t(tr), &h); }
                 Op::Clear(wk, tr) => p.clear(w(wk), tr.map(t)),
                 Op::Replace(wk, e) => {

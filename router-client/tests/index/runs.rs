@@ -193,7 +193,10 @@ fn random_long_runs_match_reference() {
             let tr = t(rng.random_range(0..3));
             let (c, a, b) = span(&mut rng);
             match rng.random_range(0..10) {
-                0..=4 => p.store(wk, tr, &c[a..b]),
+                // Mostly with the parent an engine would send; sometimes none.
+                0..=4 => {
+                    p.store_after(wk, tr, a.checked_sub(1).filter(|_| rng.random_bool(0.8)).map(|x| c[x]), &c[a..b])
+                }
                 5..=7 => {
                     let x = rng.random_range(a..b);
                     p.remove(wk, tr, &c[x..b.min(x + rng.random_range(1..4))]);
@@ -225,14 +228,19 @@ fn lookups_following_a_static_workers_long_runs_stay_exact_while_pages_churn() {
     let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
     let request = seq(77, 260);
     index.store(w(9), TierId::DEVICE, &request[..100]);
-    index.store(w(9), TierId::DEVICE, &request[100..250]);
+    // Other blocks between the two events: the second goes on through a link.
+    index.store(w(9), TierId::DEVICE, &seq(78, 30));
+    index.store_after(w(9), TierId::DEVICE, Some(request[99]), &request[100..250]);
     let writer = churn({
         let index = index.clone();
+        let request = request.clone();
         move |i| {
-            // Other holders fill pages and drop them: removed, cleared, replaced.
-            let s = seq(i % 40, 130);
+            // Other holders fill pages and drop them: removed, cleared, replaced. They store
+            // the static worker's blocks too, after the same parents, so freed pages come back
+            // with the same hashes at the same places.
+            let s = if i % 2 == 0 { seq(i % 40, 130) } else { request[100..230].to_vec() };
             let wk = w(1 + (i % 3) as u32);
-            index.store(wk, TierId::DEVICE, &s);
+            index.store_after(wk, TierId::DEVICE, Some(request[99]), &s);
             match i % 3 {
                 0 => {
                     index.remove(wk, TierId::DEVICE, &s);
@@ -248,6 +256,83 @@ fn lookups_following_a_static_workers_long_runs_stay_exact_while_pages_churn() {
         assert_eq!((m.blocks, m.tier(TierId::DEVICE)), (250, 250));
     }
     writer.stop();
+}
+
+/// A link is only a hint: one into a page that was freed and handed to another holder, who
+/// wrote the same hash at the same place, must not count for the link's holder.
+#[test]
+fn a_link_into_a_page_now_anothers_with_the_same_hash_there_does_not_count() {
+    let mut p = Pair::new(IndexConfig { shards: 1, initial_capacity: 0 });
+    let (a, b) = (w(1), w(2));
+    let [parent, x] = [seq(20, 1)[0], seq(21, 1)[0]];
+    let fill = |n: u64, len: usize| seq(1000 + n, len);
+    // Worker a: the parent at entry 0, then 63 other blocks (its first page is full), then x
+    // after the parent: x opens a's second page, and the parent's entry links to it.
+    p.store(a, TierId::DEVICE, &[parent]);
+    p.store(a, TierId::DEVICE, &fill(0, 63));
+    p.store_after(a, TierId::DEVICE, Some(parent), &[x]);
+    assert_eq!(device(&p, 1, &[parent, x]), (2, 2));
+    assert_eq!(p.index.stats().run_pages, (2, 0));
+    // Fill a's second page and open a third, then drop everything in the second: it is freed.
+    let more = fill(1, 64);
+    p.store(a, TierId::DEVICE, &more);
+    assert_eq!(p.index.stats().run_pages, (3, 0));
+    p.remove(a, TierId::DEVICE, &[x]);
+    p.remove(a, TierId::DEVICE, &more[..63]);
+    assert_eq!(p.index.stats().run_pages, (2, 1));
+    assert_eq!(device(&p, 1, &[parent, x]), (1, 1));
+    // Two other holders take fresh pages while the freed one's grace period passes (it starts
+    // at one allocation, flips again at the next, and has ended at the third).
+    for k in 0..2 {
+        p.store(w(10 + k), TierId::DEVICE, &fill(10 + k as u64, 1));
+    }
+    let (used, free) = p.index.stats().run_pages;
+    assert_eq!(free, 1, "the freed page waits to be reused");
+    // Worker b's first page is the freed one, and x its first entry: where a's link points.
+    p.store(b, TierId::DEVICE, &[x]);
+    assert_eq!(p.index.stats().run_pages, (used + 1, 0));
+    assert_eq!(device(&p, 1, &[parent, x]), (1, 1));
+    assert_eq!(device(&p, 2, &[x]), (1, 1));
+    // a stores x again (elsewhere): the match goes on, by a probe.
+    p.store(a, TierId::DEVICE, &[x]);
+    assert_eq!(device(&p, 1, &[parent, x]), (2, 2));
+    p.check_blocks(&[a, b]);
+    p.check_counts();
+}
+
+/// Stored events that continue earlier ones of their worker, with other events between them
+/// and events longer than a page: lookups follow the links, and every kind of change of the
+/// target (removed, stored again elsewhere, moved by a compaction, its page freed) is exact.
+#[test]
+fn events_continuing_earlier_ones_match_through_links() {
+    let mut p = pair();
+    let conv = seq(30, 400);
+    let mut at = 0;
+    // Turns of 1 to 90 blocks, each after its parent, with another conversation between.
+    for (other, turn) in [3usize, 1, 20, 90, 7, 64, 65, 2, 40, 100].into_iter().enumerate() {
+        let (from, to) = (at, (at + turn).min(conv.len()));
+        p.store_after(w(0), TierId::DEVICE, from.checked_sub(1).map(|k| conv[k]), &conv[from..to]);
+        p.store(w(0), TierId::DEVICE, &seq(500 + other as u64, 1 + other % 9));
+        at = to;
+        assert_eq!(device(&p, 0, &conv), (at as u32, at as u32), "after a turn of {turn}");
+    }
+    let held = at;
+    // Removals at a turn's first block, its last, and in the middle; each restored after the
+    // parent (a new link), or with no parent (a probe).
+    for (k, cut) in [3usize, 24, 23, 114, 200, 185, 186, 250, 331].into_iter().enumerate() {
+        p.remove(w(0), TierId::DEVICE, &conv[cut..=cut]);
+        assert_eq!(device(&p, 0, &conv), (cut as u32, cut as u32), "cut at {cut}");
+        let parent = (k % 2 == 0).then(|| conv[cut - 1]);
+        p.store_after(w(0), TierId::DEVICE, parent, &conv[cut..=cut]);
+        assert_eq!(device(&p, 0, &conv), (held as u32, held as u32), "restored {cut}");
+    }
+    // Thin the early pages out so that they are compacted or freed; the rest still matches.
+    for k in (0..held).filter(|k| k % 4 != 0 && *k > 150) {
+        p.remove(w(0), TierId::DEVICE, &conv[k..=k]);
+    }
+    assert_eq!(device(&p, 0, &conv), (151, 151));
+    p.check_blocks(&[w(0)]);
+    p.check_counts();
 }
 
 /// A popular prefix: block 0 held by every worker (over a thousand, so the lookup sorts its

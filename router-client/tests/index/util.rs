@@ -52,6 +52,12 @@ impl Pair {
         self.reference.store(worker, tier, hashes);
     }
 
+    /// A store with a parent: the index lays its runs out by it, the reference ignores it.
+    pub fn store_after(&mut self, worker: WorkerId, tier: TierId, parent: Option<u64>, hashes: &[u64]) {
+        self.index.store_after(worker, tier, parent, hashes);
+        self.reference.store(worker, tier, hashes);
+    }
+
     pub fn remove(&mut self, worker: WorkerId, tier: TierId, hashes: &[u64]) -> RemoveOutcome {
         let got = self.index.remove(worker, tier, hashes);
         let want = self.reference.remove(worker, tier, hashes);
