@@ -85,14 +85,15 @@
 //! of them. Building them (reading the block's holders over many groups, sorting them by
 //! worker, reading each worker's generation word) was most of such a lookup, and it gave the
 //! same answer every time until the block's holders changed. So a lookup thread keeps block
-//! 0's candidates and pairs for up to 64 first blocks with at least 8 holders, each stamped
+//! 0's candidates (not their entries) for up to 64 first blocks with at least 8 holders, each stamped
 //! with the block's table id, the block's *version* and the swap sequence, and reuses them
-//! while all three are unchanged. A key with more than seven holders has overflowed its home
-//! group, and from then on every change of its holders or of their entries raises one of its
-//! table's version counters (by hash; one per eight groups), after the change (`table.rs`, Versions of
-//! crowded keys); a rebuilt table has a new id; the tags a lookup counts depend only on the
-//! swap sequence. The kept candidates are therefore exactly what reading the table would
-//! give. Block 0's holders are sorted by a radix sort on the worker id when there are many,
+//! while all three are unchanged. A key with more than seven holders has a slot outside its
+//! home group, and every change of such a key's holders raises one of its
+//! table's version counters (by hash; one per eight groups) before and after the change, so
+//! a lookup keeps what it read only if the version was even and the same before and after
+//! reading the holders (`table.rs`, Versions of crowded keys, with the argument); a rebuilt
+//! table has a new id; the tags a lookup counts depend only on the swap sequence. The kept
+//! candidates are therefore exactly what reading the table would give. Block 0's holders are sorted by a radix sort on the worker id when there are many,
 //! and a candidate's tier runs are kept with it, so ending a candidate writes nothing else.
 //!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
@@ -144,10 +145,11 @@
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
-//!   (about 50 bytes per holder), and each slot born, dead or moved under a key whose home
-//!   group has overflowed (every crowded key, and any key homed in such a group) an atomic
-//!   increment. A version counter is shared by the keys of its stripe, so another key's
-//!   change can raise it: the candidates are then rebuilt, never wrong.
+//!   (about 40 bytes per holder), and each slot born or dead under a key with a slot
+//!   outside its home group two atomic increments (and a removal of a key homed in an
+//!   overflowed group a walk of its groups, to tell). A version counter is shared by the keys
+//!   of its stripe, so another key's change can raise it: the candidates are then rebuilt,
+//!   never wrong.
 
 mod grace;
 mod ids;
@@ -347,15 +349,16 @@ struct Scratch {
     memo: HashMap<u64, Memo>,
 }
 
-/// Block 0's candidates and pairs as a lookup computed them (before any later block), valid
-/// while the key's table, the key's version and the swap sequence are the same: a crowded
-/// key's version rises after any change of its holders or their entries, a rebuilt table has
-/// a new id, and the tags a lookup counts depend only on the swap sequence it read.
+/// Block 0's candidates as a lookup computed them (before any later block), valid while the
+/// key's table, the key's version and the swap sequence are the same: a crowded key's version
+/// rises before and after any change of its holders, a rebuilt table has a new id, and the
+/// tags a lookup counts depend only on the swap sequence it read. Not the pairs' entries:
+/// those move (a page's compaction), and a lookup with kept candidates takes them from block
+/// 1's probe.
 #[derive(Default)]
 struct Memo {
     at: (u64, u64, u64),
     candidates: Vec<Candidate>,
-    pairs: Vec<u32>,
 }
 
 impl Memo {
@@ -365,8 +368,8 @@ impl Memo {
 }
 
 impl Scratch {
-    /// Keeps block 0's candidates and pairs (just computed, from holders read after reading
-    /// `at`'s version) for `hash`.
+    /// Keeps block 0's candidates (just computed, from holders read between two reads of
+    /// `at`'s version that gave the same even value) for `hash`.
     fn remember(&mut self, hash: u64, at: (u64, u64, u64)) {
         if self.memo.len() >= MEMO_KEYS && !self.memo.contains_key(&hash) {
             self.memo.clear();
@@ -375,14 +378,12 @@ impl Scratch {
         m.at = at;
         m.candidates.clear();
         m.candidates.extend_from_slice(&self.candidates);
-        m.pairs.clear();
-        m.pairs.extend_from_slice(&self.pairs);
     }
 }
 
 /// Holders of block 0 from which a lookup keeps its candidates for the next lookups of the
 /// same first block. At least eight: a key with more holders than its home group's seven
-/// slots is crowded, so every change of it raises its version.
+/// slots has one outside it, so every change of it raises its version.
 const MEMO_HOLDERS: usize = 8;
 /// First blocks whose candidates a thread keeps (all dropped when a new one would exceed it).
 const MEMO_KEYS: usize = 64;
@@ -735,19 +736,24 @@ impl PrefixIndex {
             let n = hashes.len();
             let first = Probe::new(hashes[0]);
             let table = &tables[first.shard(self.shard_mask)];
-            // Read before block 0's holders (see `table`'s docs, Versions of crowded keys).
+            // Read before block 0's holders, and again after (see `table`'s docs, Versions of
+            // crowded keys).
             let version = table.version(&first);
-            let block1 = match s.memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0)) {
+            let memo = s.memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0));
+            let kept = memo.is_some();
+            let block1 = match memo {
                 Some(m) => {
+                    // Candidates only: block 1 is probed, and gives the pairs' entries.
                     s.candidates.extend_from_slice(&m.candidates);
-                    s.pairs.extend_from_slice(&m.pairs);
                     self.gather(&tables, &hashes[1..n.min(2)], s);
                     0..s.ends[0]
                 }
                 None => {
                     self.gather(&tables, &hashes[..n.min(2)], s);
                     self.first_block(seq0, s);
-                    if s.ends[0] >= MEMO_HOLDERS {
+                    // Kept only if no change of the key was under way or came while its
+                    // holders were read: the version was even and is still the same.
+                    if s.ends[0] >= MEMO_HOLDERS && version.is_multiple_of(2) && table.version(&first) == version {
                         s.remember(hashes[0], (table.id(), version, seq0));
                     }
                     s.ends[0]..s.ends[1]
@@ -758,7 +764,7 @@ impl PrefixIndex {
             }
             s.alive.extend(0..s.candidates.len() as u32);
             let mut i = 1;
-            if n > 1 && s.pairs.len() > 1 {
+            if n > 1 && (kept || s.pairs.len() > 1) {
                 if !Self::step(1, block1, s) {
                     Self::emit(n as u32, s, out);
                     return;

@@ -26,15 +26,22 @@
 //! - A table never gets fuller than 7/8 (live + tombstones), and a group that still has an
 //!   `EMPTY` slot was never full, so its overflow count is 0: every probe ends.
 //!
-//! **Versions of crowded keys.** A key whose home group has overflowed (every key held by
-//! more than seven holders is one: its slots cannot all fit its home group) has a version:
-//! one of the table's version counters (one per eight groups, 64 to 4,096), by hash, that
-//! every change of such a key's set of holders or of a holder's entry raises *after* the
-//! change (a slot born, dead or moved; copy counts do not count). Overflow counts only grow until the table is rebuilt (and a rebuilt table is a
-//! new table with a new [`Table::id`]), so once a key is crowded every later change of it
-//! raises its version. A lookup that reads the version, then sees at least eight holders of
-//! the key, may keep what it read for as long as the table and the version stay the same
-//! (see `PrefixIndex::lookup_into`).
+//! **Versions of crowded keys.** Each key has a version: one of the table's version counters
+//! (one per eight groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
+//! born or dead; copy counts and entry moves do not count) is *crowded* when the
+//! key has, before or after it, a live slot outside its home group; a crowded change raises
+//! the key's version once before it and once after it (so a version is odd while one is under
+//! way: changes of a table never overlap, as its writers hold the shard's mutex). A lookup may
+//! keep what it read of a key's slots for as long as the table and the version stay what they
+//! were when it started reading, if it saw at least eight live slots and the same even version
+//! after reading them (see `PrefixIndex::lookup_into`). Why that is exact: of the eight slots,
+//! one, `y`, is outside the home group (a group has seven) and was live when read. Any change
+//! of the key after the first version read is crowded or comes after a crowded one: if `y` was
+//! born after that read, its birth is crowded; if not, every change while `y` is live is
+//! crowded, and its death is one. So if none came between the two reads, the slots read are the
+//! key's state then, and the first change after it raises the version before it writes
+//! anything. A rebuilt table is a new table with a new [`Table::id`]. A key all in its home
+//! group (most keys, even in a full group) raises nothing.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -265,19 +272,64 @@ impl Table {
         self.id
     }
 
-    /// The version of `p`'s key (meaningful for crowded keys only; see the module docs).
-    /// Read it before reading the key's holders.
+    /// The version of `p`'s key (see the module docs, Versions of crowded keys): read before
+    /// and after reading the key's slots.
     pub fn version(&self, p: &Probe) -> u64 {
         self.versions[p.stripe(self.versions.len())].load(Ordering::SeqCst)
     }
 
-    /// After a change of `p`'s holders or of a holder's entry: raises the key's version if its
-    /// home group has overflowed (so for every crowded key).
-    fn changed(&self, p: &Probe) {
-        let home = p.home(self.ctrl.len());
-        if overflowed(self.ctrl[home].load(Ordering::Relaxed)) {
-            self.versions[p.stripe(self.versions.len())].fetch_add(1, Ordering::SeqCst);
+    /// Makes a change of `p`'s key (`write`), raising the key's version before and after it
+    /// when `crowded`: the key has, before or after the change, a live slot outside its home
+    /// group (see the module docs). Caller holds the shard's mutex, so a table's changes never
+    /// overlap and a version is odd exactly while a change of one of its keys is under way.
+    fn change<R>(&self, p: &Probe, crowded: bool, write: impl FnOnce() -> R) -> R {
+        let version = &self.versions[p.stripe(self.versions.len())];
+        if crowded {
+            version.fetch_add(1, Ordering::SeqCst);
         }
+        let r = write();
+        if crowded {
+            version.fetch_add(1, Ordering::SeqCst);
+        }
+        r
+    }
+
+    /// The first group from `p`'s home with an `EMPTY` byte: where [`Table::place`] puts it.
+    fn free_group(&self, p: &Probe) -> usize {
+        let groups = self.ctrl.len();
+        let mut g = p.home(groups);
+        while self.ctrl[g].load(Ordering::Relaxed) & HI == 0 {
+            g += 1;
+            if g == groups {
+                g = 0;
+            }
+        }
+        g
+    }
+
+    /// True if `p`'s key has a live slot outside its home group. Caller holds the shard's
+    /// mutex.
+    fn spills(&self, p: &Probe) -> bool {
+        let groups = self.ctrl.len();
+        let fp = p.fingerprint();
+        let mut g = p.home(groups);
+        let mut word = self.ctrl[g].load(Ordering::Relaxed);
+        while overflowed(word) {
+            g += 1;
+            if g == groups {
+                g = 0;
+            }
+            word = self.ctrl[g].load(Ordering::Relaxed);
+            let mut m = match_byte(word, fp);
+            while m != 0 {
+                let slot = &self.slots[g * GROUP + (m.trailing_zeros() / 8) as usize];
+                m &= m - 1;
+                if slot.val.load(Ordering::Relaxed) != TOMB && slot.key.load(Ordering::Relaxed) == p.hash {
+                    return true;
+                }
+            }
+        }
+        false
     }
 
     /// Heap bytes of this table (control words, slots, versions) plus its header.
@@ -369,8 +421,11 @@ impl Table {
         debug_assert!(copies > 0 && holder & !HOLDER == 0);
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
-        let mut g = p.home(groups);
+        let home = p.home(groups);
+        let mut g = home;
         let mut reuse: Option<usize> = None;
+        // A live slot of the key outside its home group (the walk sees every slot of the key).
+        let mut outside = false;
         loop {
             let word = self.ctrl[g].load(Ordering::Relaxed);
             let mut m = match_byte(word, fp);
@@ -384,7 +439,9 @@ impl Table {
                 let v = slot.val.load(Ordering::Relaxed);
                 if v == TOMB {
                     reuse.get_or_insert(i);
-                } else if v & HOLDER == holder {
+                } else if v & HOLDER != holder {
+                    outside |= g != home;
+                } else {
                     let old = overflow.copies(p.hash, v, None) as u64;
                     let sum = old + copies as u64;
                     let saturated = sum > u32::MAX as u64;
@@ -406,14 +463,18 @@ impl Table {
         let entry = entry();
         let v = holder | ((entry as u64) << ENTRY_SHIFT);
         let v = Self::fresh_copies(p.hash, v, copies, overflow);
-        if let Some(i) = reuse {
-            self.slots[i].val.store(v, Ordering::Release);
-            self.tombs.fetch_sub(1, Ordering::Relaxed);
-            self.live.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.place(p, v, Ordering::Release);
-        }
-        self.changed(p);
+        // The walk saw every live slot of the key; the new one goes where `at` says.
+        let at = reuse.map_or_else(|| self.free_group(p), |i| i / GROUP);
+        self.change(p, outside || at != home, || match reuse {
+            Some(i) => {
+                self.slots[i].val.store(v, Ordering::Release);
+                self.tombs.fetch_sub(1, Ordering::Relaxed);
+                self.live.fetch_add(1, Ordering::Relaxed);
+            }
+            None => {
+                self.place(p, v, Ordering::Release);
+            }
+        });
         Added::Done { saturated: false, entry }
     }
 
@@ -472,8 +533,9 @@ impl Table {
         }
     }
 
-    /// `holder`'s live slot of `p.hash` and its value, if any.
-    fn live_slot(&self, p: &Probe, holder: u64) -> Option<(&Slot, u64)> {
+    /// `holder`'s live slot of `p.hash`, its value, and whether it is outside the key's home
+    /// group, if any.
+    fn live_slot(&self, p: &Probe, holder: u64) -> Option<(&Slot, u64, bool)> {
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
         let mut g = p.home(groups);
@@ -485,7 +547,7 @@ impl Table {
                 m &= m - 1;
                 let v = slot.val.load(Ordering::Relaxed);
                 if v != TOMB && v & HOLDER == holder && slot.key.load(Ordering::Relaxed) == p.hash {
-                    return Some((slot, v));
+                    return Some((slot, v, g != p.home(groups)));
                 }
             }
             if !overflowed(word) {
@@ -501,12 +563,12 @@ impl Table {
     /// The entry of `holder`'s live slot of `p.hash` (`None` if it has none). Lock-free: sound
     /// for a caller holding the holder's lock, as only the holder's writers change its slots.
     pub fn entry(&self, p: &Probe, holder: u64) -> Option<u32> {
-        self.live_slot(p, holder).map(|(_, v)| entry_of(v))
+        self.live_slot(p, holder).map(|(_, v, _)| entry_of(v))
     }
 
     /// Takes one copy from `holder` under `p.hash`. Caller holds the shard's mutex.
     pub fn sub(&self, p: &Probe, holder: u64, overflow: &Overflow) -> Subbed {
-        let Some((slot, v)) = self.live_slot(p, holder) else {
+        let Some((slot, v, outside)) = self.live_slot(p, holder) else {
             return Subbed::Missing;
         };
         let copies = overflow.copies(p.hash, v, None);
@@ -514,10 +576,11 @@ impl Table {
             Self::set_copies(slot, p.hash, v, copies - 1, overflow);
             return Subbed::Taken;
         }
-        slot.val.store(TOMB, Ordering::Release);
-        self.live.fetch_sub(1, Ordering::Relaxed);
-        self.tombs.fetch_add(1, Ordering::Relaxed);
-        self.changed(p);
+        self.change(p, outside || self.spills(p), || {
+            slot.val.store(TOMB, Ordering::Release);
+            self.live.fetch_sub(1, Ordering::Relaxed);
+            self.tombs.fetch_add(1, Ordering::Relaxed);
+        });
         Subbed::Died { entry: entry_of(v) }
     }
 
@@ -525,9 +588,9 @@ impl Table {
     /// such slot. Caller holds the shard's mutex.
     pub fn move_entry(&self, p: &Probe, holder: u64, old: u32, entry: u32) -> bool {
         match self.live_slot(p, holder) {
-            Some((slot, v)) if entry_of(v) == old => {
+            Some((slot, v, _)) if entry_of(v) == old => {
+                // Not a change of the key's holders: kept candidates hold no entries.
                 slot.val.store((v & !ENTRY) | ((entry as u64) << ENTRY_SHIFT), Ordering::Release);
-                self.changed(p);
                 true
             }
             _ => false,
@@ -545,8 +608,13 @@ impl Table {
                 if Overflow::is_many(v) {
                     overflow.lock().remove(&(key, v & HOLDER));
                 }
-                slot.val.store(TOMB, Ordering::Release);
-                self.changed(&Probe::new(key));
+                // Where the slot is is not known here: any key homed in an overflowed group
+                // counts as crowded (a superset: as sound, and this scan is rare).
+                let p = Probe::new(key);
+                let home = p.home(self.ctrl.len());
+                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || {
+                    slot.val.store(TOMB, Ordering::Release);
+                });
                 removed += 1;
             }
         }
