@@ -633,18 +633,40 @@ impl PrefixIndex {
 
     /// Moves the valid entries of `holder`'s sparse `page` to its current page (in order, so
     /// runs stay runs), so that the page is freed instead of holding a few live entries.
-    /// `cursors` is the holder's lock.
+    /// `cursors` is the holder's lock. The moved entries keep their links, and entries that
+    /// were adjacent stay joined (by a link where the current page ends between them); links
+    /// of other pages into the moved entries go stale (lookups then probe).
     fn compact(&self, cursors: &mut Cursors, holder: u64, page: u32) {
-        for (old, hash) in self.runs.valid_entries(page) {
+        let entries = self.runs.valid_entries(page);
+        let links: Vec<Option<u32>> = entries.iter().map(|&(old, _)| self.runs.link_of(old)).collect();
+        let mut moved: Vec<(u32, u32)> = Vec::with_capacity(entries.len());
+        for (old, hash) in entries {
             let p = Probe::new(hash);
             let table = lock(&self.shard_locks[p.shard(self.shard_mask)].0);
             let entry = self.runs.append(cursors, holder, hash, &self.grace);
             // Both entries are valid while the slot moves: either proves the block is held.
-            let moved = table.move_entry(&p, holder, old, entry);
+            let ok = table.move_entry(&p, holder, old, entry);
             drop(table);
-            let stale = if moved { old } else { entry };
-            debug_assert!(moved, "a valid entry is its slot's entry");
+            let stale = if ok { old } else { entry };
+            debug_assert!(ok, "a valid entry is its slot's entry");
             self.runs.invalidate(cursors, holder, stale);
+            if let Some(&(before, prev)) = moved.last() {
+                if old == before + 1 && (entry != prev.wrapping_add(1) || prev % PAGE == PAGE - 1) {
+                    self.runs.link(prev, entry);
+                }
+            }
+            moved.push((old, entry));
+        }
+        // Links out of the moved entries, to targets that moved too or not.
+        for (&(_, entry), link) in moved.iter().zip(links) {
+            if let Some(to) = link {
+                let to = match moved.binary_search_by_key(&to, |&(old, _)| old) {
+                    Ok(k) => moved[k].1,
+                    Err(_) if to / PAGE == page => continue,
+                    Err(_) => to,
+                };
+                self.runs.link(entry, to);
+            }
         }
     }
 

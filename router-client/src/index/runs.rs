@@ -234,6 +234,11 @@ impl Runs {
         }
     }
 
+    /// The link after `entry`, if its page has one (a hint).
+    pub fn link_of(&self, entry: u32) -> Option<u32> {
+        self.page(entry)?.link(entry % PAGE)
+    }
+
     /// The lock of `holder`'s pages (a stripe shared with other holders). Writers of a holder
     /// hold it around every change of the holder's slots.
     pub fn lock(&self, holder: u64) -> MutexGuard<'_, Cursors> {
