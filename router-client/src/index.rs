@@ -347,6 +347,9 @@ struct Scratch {
     tier_runs: Vec<TierRun>,
     /// Block 0's candidates of crowded keys, as this thread last computed them.
     memo: HashMap<u64, Memo>,
+    /// The lookup started from kept candidates: the result already lists every candidate as
+    /// ending at block 1, and `candidates` are only those that may go on.
+    patch: bool,
 }
 
 /// Block 0's candidates as a lookup computed them (before any later block), valid while the
@@ -359,6 +362,10 @@ struct Scratch {
 struct Memo {
     at: (u64, u64, u64),
     candidates: Vec<Candidate>,
+    /// The result if every candidate's match ends at block 1: a lookup copies it, then writes
+    /// over the few candidates that go on (each tier that holds block 0 has a run of at least
+    /// 1, so their entries keep their size).
+    result: LookupResult,
 }
 
 impl Memo {
@@ -378,6 +385,17 @@ impl Scratch {
         m.at = at;
         m.candidates.clear();
         m.candidates.extend_from_slice(&self.candidates);
+        m.result.clear();
+        for c in &self.candidates {
+            let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
+            let mut tiers = c.alive;
+            let runs = std::iter::from_fn(|| {
+                let t = (tiers != 0).then(|| tiers.trailing_zeros() as u8)?;
+                tiers &= tiers - 1;
+                Some(TierRun { tier: TierId::new(t).expect("packed tier ids are valid"), blocks: 1 })
+            });
+            m.result.push(worker, 1, runs);
+        }
     }
 }
 
@@ -761,16 +779,30 @@ impl PrefixIndex {
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
             // crowded keys).
             let version = table.version(&first);
-            let memo = s.memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0));
-            let kept = memo.is_some();
-            let block1 = match memo {
-                Some(m) => {
-                    // Candidates only: block 1 is probed, and gives the pairs' entries.
-                    s.candidates.extend_from_slice(&m.candidates);
+            let kept = s.memo.get(&hashes[0]).is_some_and(|m| m.is(table.id(), version, seq0));
+            s.patch = kept;
+            let block1 = match kept {
+                true => {
+                    // Every candidate ends at block 1 but those holding block 1 (probed now: it
+                    // also gives the pairs' entries); only those are walked.
                     self.gather(&tables, &hashes[1..n.min(2)], s);
+                    if n == 1 {
+                        s.ends[0] = 0;
+                    }
+                    let Scratch { memo, holders, candidates, ends, .. } = &mut *s;
+                    let m = &memo[&hashes[0]];
+                    out.clone_from(&m.result);
+                    for &v in &holders[..ends[0]] {
+                        let worker = table::worker_of(v);
+                        if let Ok(k) = m.candidates.binary_search_by_key(&worker, |c| c.worker) {
+                            candidates.push(m.candidates[k]);
+                        }
+                    }
+                    candidates.sort_unstable_by_key(|c| c.worker);
+                    candidates.dedup_by_key(|c| c.worker);
                     0..s.ends[0]
                 }
-                None => {
+                false => {
                     self.gather(&tables, &hashes[..n.min(2)], s);
                     self.first_block(seq0, s);
                     // Kept only if no change of the key was under way or came while its
@@ -1024,15 +1056,31 @@ impl PrefixIndex {
         !alive.is_empty()
     }
 
+    /// Writes the candidates' matches into `out`: appended, or, when `out` already lists every
+    /// candidate of kept first-block candidates (`s.patch`), over their entries there.
     fn emit(len: u32, s: &mut Scratch, out: &mut LookupResult) {
-        let Scratch { candidates, runs, tier_runs: mine, .. } = s;
+        let Scratch { candidates, runs, tier_runs: mine, patch, .. } = s;
+        #[inline]
+        fn put(
+            out: &mut LookupResult,
+            patch: bool,
+            worker: WorkerId,
+            blocks: u32,
+            runs: impl Iterator<Item = TierRun>,
+        ) {
+            if patch {
+                out.patch(worker, blocks, runs);
+            } else {
+                out.push(worker, blocks, runs);
+            }
+        }
         for c in candidates.iter() {
             let blocks = if c.done { c.blocks } else { len };
             let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
             let tier = |t: u64| TierId::new(t.trailing_zeros() as u8).expect("packed tier ids are valid");
             if c.ended == NO_RUN && c.alive.count_ones() == 1 {
                 // The common case: one tier, whose run is the candidate's.
-                out.push(worker, blocks, std::iter::once(TierRun { tier: tier(c.alive), blocks }));
+                put(out, *patch, worker, blocks, std::iter::once(TierRun { tier: tier(c.alive), blocks }));
                 continue;
             }
             mine.clear();
@@ -1048,7 +1096,7 @@ impl PrefixIndex {
                 r = next;
             }
             mine.sort_unstable_by_key(|run| run.tier);
-            out.push(worker, blocks, mine.iter().copied());
+            put(out, *patch, worker, blocks, mine.iter().copied());
         }
     }
 

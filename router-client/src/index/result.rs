@@ -101,6 +101,24 @@ impl LookupResult {
     }
 }
 
+impl LookupResult {
+    /// Writes over the entry of `worker` (which the result lists, with as many tier runs, of
+    /// the same tiers, as `runs` gives).
+    pub(crate) fn patch(&mut self, worker: WorkerId, blocks: u32, runs: impl Iterator<Item = TierRun>) {
+        let k = self.entries.binary_search_by_key(&worker, |e| e.worker).expect("a patched worker is listed");
+        let start = if k == 0 { 0 } else { self.entries[k - 1].runs_end as usize };
+        let end = self.entries[k].runs_end as usize;
+        self.entries[k].blocks = blocks;
+        let mut n = 0;
+        for (slot, run) in self.runs[start..end].iter_mut().zip(runs) {
+            debug_assert!(slot.tier == run.tier && run.blocks > 0 && run.blocks <= blocks);
+            *slot = run;
+            n += 1;
+        }
+        debug_assert_eq!(n, end - start, "a patch keeps the entry's tiers");
+    }
+}
+
 impl fmt::Debug for LookupResult {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut list = f.debug_list();
