@@ -229,6 +229,13 @@ pub(super) struct Table {
     versions: Box<[AtomicU64]>,
     ctrl: Box<[AtomicU64]>,
     slots: Box<[Slot]>,
+    counts: Counts,
+}
+
+/// A table's counts, written at every slot born or dead, on a cache line of their own: beside
+/// the table's pointers, which every probe reads, each write took the line from lookups.
+#[repr(align(64))]
+struct Counts {
     /// Live holders. Written only under the shard's mutex; atomic so stats can read it.
     live: AtomicUsize,
     /// Tombstoned slots (still bound to their key).
@@ -250,17 +257,16 @@ impl Table {
                 .collect(),
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
-            live: AtomicUsize::new(0),
-            tombs: AtomicUsize::new(0),
+            counts: Counts { live: AtomicUsize::new(0), tombs: AtomicUsize::new(0) },
         }
     }
 
     pub fn live(&self) -> usize {
-        self.live.load(Ordering::Relaxed)
+        self.counts.live.load(Ordering::Relaxed)
     }
 
     pub fn tombs(&self) -> usize {
-        self.tombs.load(Ordering::Relaxed)
+        self.counts.tombs.load(Ordering::Relaxed)
     }
 
     pub fn capacity(&self) -> usize {
@@ -468,8 +474,8 @@ impl Table {
         self.change(p, outside || at != home, || match reuse {
             Some(i) => {
                 self.slots[i].val.store(v, Ordering::Release);
-                self.tombs.fetch_sub(1, Ordering::Relaxed);
-                self.live.fetch_add(1, Ordering::Relaxed);
+                self.counts.tombs.fetch_sub(1, Ordering::Relaxed);
+                self.counts.live.fetch_add(1, Ordering::Relaxed);
             }
             None => {
                 self.place(p, v, Ordering::Release);
@@ -520,7 +526,7 @@ impl Table {
                 slot.val.store(v, Ordering::Relaxed);
                 let cleared = word & !(0xff << (8 * byte));
                 self.ctrl[g].store(cleared | ((p.fingerprint() as u64) << (8 * byte)), publish);
-                self.live.fetch_add(1, Ordering::Relaxed);
+                self.counts.live.fetch_add(1, Ordering::Relaxed);
                 return;
             }
             if word >> OVERFLOW_SHIFT != 0xff {
@@ -578,8 +584,8 @@ impl Table {
         }
         self.change(p, outside || self.spills(p), || {
             slot.val.store(TOMB, Ordering::Release);
-            self.live.fetch_sub(1, Ordering::Relaxed);
-            self.tombs.fetch_add(1, Ordering::Relaxed);
+            self.counts.live.fetch_sub(1, Ordering::Relaxed);
+            self.counts.tombs.fetch_add(1, Ordering::Relaxed);
         });
         Subbed::Died { entry: entry_of(v) }
     }
@@ -618,8 +624,8 @@ impl Table {
                 removed += 1;
             }
         }
-        self.live.fetch_sub(removed, Ordering::Relaxed);
-        self.tombs.fetch_add(removed, Ordering::Relaxed);
+        self.counts.live.fetch_sub(removed, Ordering::Relaxed);
+        self.counts.tombs.fetch_add(removed, Ordering::Relaxed);
         removed
     }
 
