@@ -564,9 +564,16 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// block) pairs matched), and mean latency by depth of the deepest match. For profiling.
 fn analyze(w: &Workload, reps: usize) {
     let index = PrefixIndex::new(IndexConfig::default());
+    let t0 = Instant::now();
     for op in &w.ops {
         index.apply(op);
     }
+    let secs = t0.elapsed().as_secs_f64();
+    println!(
+        "  applied {} block ops in {secs:.3} s on one thread, no lookups: {:.0} ops/s",
+        w.block_ops,
+        w.block_ops as f64 / secs
+    );
     // (ns, request length, deepest match, workers, matched (worker, block) pairs)
     let mut rows: Vec<(u64, usize, u32, usize, u64)> = Vec::new();
     let mut r = LookupResult::default();
