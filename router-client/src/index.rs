@@ -145,7 +145,8 @@
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
-//!   (about 40 bytes per holder), and each slot born or dead under a key with a slot
+//!   (about 70 bytes per holder: its candidate, 48, and its entry of the prebuilt result),
+//!   and each slot born or dead under a key with a slot
 //!   outside its home group two atomic increments (and a removal of a key homed in an
 //!   overflowed group a walk of its groups, to tell). A version counter is shared by the keys
 //!   of its stripe, so another key's change can raise it: the candidates are then rebuilt,
