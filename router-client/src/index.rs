@@ -609,10 +609,7 @@ impl PrefixIndex {
             drop(tables);
             for p in probes {
                 let entry = self.add(p, holder, 1, &mut cursors);
-                // Adjacent entries of one page need no link: lookups read on.
-                if entry != prev.wrapping_add(1) || prev % PAGE == PAGE - 1 {
-                    self.runs.link(prev, entry);
-                }
+                self.runs.join(prev, entry);
                 prev = entry;
             }
         }
@@ -669,10 +666,9 @@ impl PrefixIndex {
             let stale = if ok { old } else { entry };
             debug_assert!(ok, "a valid entry is its slot's entry");
             self.runs.invalidate(cursors, holder, stale);
-            if let Some(&(before, prev)) = moved.last() {
-                if old == before + 1 && (entry != prev.wrapping_add(1) || prev % PAGE == PAGE - 1) {
-                    self.runs.link(prev, entry);
-                }
+            // Entries adjacent in the old page stay joined.
+            if let Some(&(_, prev)) = moved.last().filter(|&&(before, _)| old == before + 1) {
+                self.runs.join(prev, entry);
             }
             moved.push((old, entry));
         }

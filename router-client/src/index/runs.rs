@@ -234,6 +234,15 @@ impl Runs {
         }
     }
 
+    /// Records that `next` follows `prev` among a holder's blocks: nothing when `next` is the
+    /// entry after `prev` in the same page (lookups read on), else a link. Same conditions as
+    /// [`Runs::link`].
+    pub fn join(&self, prev: u32, next: u32) {
+        if next != prev.wrapping_add(1) || prev % PAGE == PAGE - 1 {
+            self.link(prev, next);
+        }
+    }
+
     /// The link after `entry`, if its page has one (a hint).
     pub fn link_of(&self, entry: u32) -> Option<u32> {
         self.page(entry)?.link(entry % PAGE)
