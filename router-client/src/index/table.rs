@@ -191,6 +191,16 @@ fn match_byte(word: u64, fp: u8) -> u64 {
     x.wrapping_sub(LO) & !x & HI
 }
 
+/// The group after `g` (the last wraps to the first).
+#[inline]
+fn next_group(g: usize, groups: usize) -> usize {
+    if g + 1 == groups {
+        0
+    } else {
+        g + 1
+    }
+}
+
 /// True when some insert went past this group: a probe must look at the next group too.
 fn overflowed(word: u64) -> bool {
     word >> OVERFLOW_SHIFT != 0
@@ -288,16 +298,15 @@ impl Table {
     /// when `crowded`: the key has, before or after the change, a live slot outside its home
     /// group (see the module docs). Caller holds the shard's mutex, so a table's changes never
     /// overlap and a version is odd exactly while a change of one of its keys is under way.
-    fn change<R>(&self, p: &Probe, crowded: bool, write: impl FnOnce() -> R) -> R {
+    fn change(&self, p: &Probe, crowded: bool, write: impl FnOnce()) {
         let version = &self.versions[p.stripe(self.versions.len())];
         if crowded {
             version.fetch_add(1, Ordering::SeqCst);
         }
-        let r = write();
+        write();
         if crowded {
             version.fetch_add(1, Ordering::SeqCst);
         }
-        r
     }
 
     /// The first group from `p`'s home with an `EMPTY` byte: where [`Table::place`] puts it.
@@ -305,10 +314,7 @@ impl Table {
         let groups = self.ctrl.len();
         let mut g = p.home(groups);
         while self.ctrl[g].load(Ordering::Relaxed) & HI == 0 {
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
         }
         g
     }
@@ -321,10 +327,7 @@ impl Table {
         let mut g = p.home(groups);
         let mut word = self.ctrl[g].load(Ordering::Relaxed);
         while overflowed(word) {
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
             word = self.ctrl[g].load(Ordering::Relaxed);
             let mut m = match_byte(word, fp);
             while m != 0 {
@@ -381,10 +384,7 @@ impl Table {
             if !overflowed(word) {
                 return;
             }
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
         }
     }
 
@@ -458,10 +458,7 @@ impl Table {
             if !overflowed(word) {
                 break;
             }
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
         }
         if reuse.is_none() && self.live() + self.tombs() + 1 > self.max_used() {
             return Added::Full;
@@ -532,10 +529,7 @@ impl Table {
             if word >> OVERFLOW_SHIFT != 0xff {
                 self.ctrl[g].store(word + (1 << OVERFLOW_SHIFT), publish);
             }
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
         }
     }
 
@@ -559,10 +553,7 @@ impl Table {
             if !overflowed(word) {
                 return None;
             }
-            g += 1;
-            if g == groups {
-                g = 0;
-            }
+            g = next_group(g, groups);
         }
     }
 
