@@ -389,13 +389,7 @@ impl Scratch {
         m.result.clear();
         for c in &self.candidates {
             let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
-            let mut tiers = c.alive;
-            let runs = std::iter::from_fn(|| {
-                let t = (tiers != 0).then(|| tiers.trailing_zeros() as u8)?;
-                tiers &= tiers - 1;
-                Some(TierRun { tier: TierId::new(t).expect("packed tier ids are valid"), blocks: 1 })
-            });
-            m.result.push(worker, 1, runs);
+            m.result.push(worker, 1, tier_runs(c.alive, 1));
         }
     }
 }
@@ -459,6 +453,15 @@ fn sort_by_worker(v: &mut [u64], tmp: &mut Vec<u64>, buckets: &mut Vec<u32>) {
     if in_tmp {
         v.copy_from_slice(tmp);
     }
+}
+
+/// One run of `blocks` for each tier whose bit `tiers` sets, in tier order.
+fn tier_runs(mut tiers: u64, blocks: u32) -> impl Iterator<Item = TierRun> {
+    std::iter::from_fn(move || {
+        let t = (tiers != 0).then(|| tiers.trailing_zeros() as u8)?;
+        tiers &= tiers - 1;
+        Some(TierRun { tier: TierId::new(t).expect("packed tier ids are valid"), blocks })
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -778,37 +781,32 @@ impl PrefixIndex {
             let version = table.version(&first);
             let kept = s.memo.get(&hashes[0]).is_some_and(|m| m.is(table.id(), version, seq0));
             s.patch = kept;
-            let block1 = match kept {
-                true => {
-                    // Every candidate ends at block 1 but those holding block 1 (probed now: it
-                    // also gives the pairs' entries); only those are walked.
-                    self.gather(&tables, &hashes[1..n.min(2)], s);
-                    if n == 1 {
-                        s.ends[0] = 0;
+            let block1 = if kept {
+                // Every candidate ends at block 1 but those holding block 1 (probed now: it
+                // also gives the pairs' entries); only those are walked. `holders` is block 1's
+                // holders (none for a request of one block).
+                self.gather(&tables, &hashes[1..n.min(2)], s);
+                let Scratch { memo, holders, candidates, .. } = &mut *s;
+                let m = &memo[&hashes[0]];
+                out.clone_from(&m.result);
+                for &v in holders.iter() {
+                    let worker = table::worker_of(v);
+                    if let Ok(k) = m.candidates.binary_search_by_key(&worker, |c| c.worker) {
+                        candidates.push(m.candidates[k]);
                     }
-                    let Scratch { memo, holders, candidates, ends, .. } = &mut *s;
-                    let m = &memo[&hashes[0]];
-                    out.clone_from(&m.result);
-                    for &v in &holders[..ends[0]] {
-                        let worker = table::worker_of(v);
-                        if let Ok(k) = m.candidates.binary_search_by_key(&worker, |c| c.worker) {
-                            candidates.push(m.candidates[k]);
-                        }
-                    }
-                    candidates.sort_unstable_by_key(|c| c.worker);
-                    candidates.dedup_by_key(|c| c.worker);
-                    0..s.ends[0]
                 }
-                false => {
-                    self.gather(&tables, &hashes[..n.min(2)], s);
-                    self.first_block(seq0, s);
-                    // Kept only if no change of the key was under way or came while its
-                    // holders were read: the version was even and is still the same.
-                    if s.ends[0] >= MEMO_HOLDERS && version.is_multiple_of(2) && table.version(&first) == version {
-                        s.remember(hashes[0], (table.id(), version, seq0));
-                    }
-                    s.ends[0]..s.ends[1]
+                candidates.sort_unstable_by_key(|c| c.worker);
+                candidates.dedup_by_key(|c| c.worker);
+                0..s.holders.len()
+            } else {
+                self.gather(&tables, &hashes[..n.min(2)], s);
+                self.first_block(seq0, s);
+                // Kept only if no change of the key was under way or came while its holders
+                // were read: the version was even and is still the same.
+                if s.ends[0] >= MEMO_HOLDERS && version.is_multiple_of(2) && table.version(&first) == version {
+                    s.remember(hashes[0], (table.id(), version, seq0));
                 }
+                s.ends[0]..s.ends[1]
             };
             if s.candidates.is_empty() {
                 return;
@@ -1074,18 +1072,13 @@ impl PrefixIndex {
         for c in candidates.iter() {
             let blocks = if c.done { c.blocks } else { len };
             let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
-            let tier = |t: u64| TierId::new(t.trailing_zeros() as u8).expect("packed tier ids are valid");
-            if c.ended == NO_RUN && c.alive.count_ones() == 1 {
-                // The common case: one tier, whose run is the candidate's.
-                put(out, *patch, worker, blocks, std::iter::once(TierRun { tier: tier(c.alive), blocks }));
+            if c.ended == NO_RUN {
+                // The common case: no tier ended before the candidate did.
+                put(out, *patch, worker, blocks, tier_runs(c.alive, blocks));
                 continue;
             }
             mine.clear();
-            let mut alive = c.alive;
-            while alive != 0 {
-                mine.push(TierRun { tier: tier(alive), blocks });
-                alive &= alive - 1;
-            }
+            mine.extend(tier_runs(c.alive, blocks));
             let mut r = c.ended;
             while r != NO_RUN {
                 let (t, run, next) = runs[r as usize];
