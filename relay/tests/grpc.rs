@@ -313,6 +313,24 @@ async fn cursor_predating_history_gets_snapshot_then_batches_and_rebuilds_the_st
 }
 
 #[tokio::test]
+async fn cursor_zero_after_a_trimmed_history_is_a_new_client_with_or_without_the_epoch() {
+    let relay = Relay::start(cfg(), HistoryLimits { max_batches: 20, max_bytes: 1 << 30 }).await;
+    Traffic::new(5, 2).commit(&relay.store, 60);
+    let (epoch, incarnation) = (relay.store.epoch(), relay.store.incarnation());
+    let mut client = relay.client().await;
+    // A router learns the epoch from Status before its first Subscribe; it has still applied
+    // nothing, so it is as new as one that sends no epoch.
+    for e in [0, epoch] {
+        let err = client.subscribe(req(e, 0, incarnation, false)).await.unwrap_err();
+        assert_eq!(err.code(), Code::OutOfRange, "{err:?}");
+        let mut s = client.subscribe(req(e, 0, incarnation, true)).await.unwrap().into_inner();
+        let (begin, end, _) = read_snapshot(&mut s).await;
+        assert_eq!((begin.reason, begin.epoch, end.cursor), (pb::SnapshotReason::NewClient as i32, epoch, 60));
+    }
+    relay.stop().await;
+}
+
+#[tokio::test]
 async fn new_client_streams_the_whole_history_when_it_starts_at_one() {
     let relay = Relay::start(cfg(), big_history()).await;
     Traffic::new(1, 1).commit(&relay.store, 10);

@@ -212,9 +212,9 @@ impl RelayService {
             if first_held <= 1 {
                 return Ok(Start::After(0));
             }
-            let why = if r.epoch == 0 { Why::NewClient } else { Why::CursorTrimmed };
+            // Cursor 0 applied nothing: a new client, even one that learned the epoch from Status.
             return snapshot_or(
-                why,
+                Why::NewClient,
                 Status::out_of_range(format!("the history starts at cursor {first_held}: resync from a snapshot")),
             );
         }
