@@ -209,7 +209,9 @@ impl Follower {
         &self.shared.index
     }
 
-    /// Rank events, snapshots, gaps, connects and disconnects, as they happen.
+    /// Rank events, snapshots, gaps, connects and disconnects, as they happen. An event is sent
+    /// before the change that made it shows in [`Follower::relays`] or [`Follower::counters`]:
+    /// whoever reads those and then drains the receiver has every event of what it read.
     pub fn events(&self) -> broadcast::Receiver<ClientEvent> {
         self.shared.events.subscribe()
     }
@@ -377,6 +379,9 @@ fn endpoint(url: &str, cfg: &FollowConfig) -> Result<Endpoint, ClientError> {
 }
 
 impl Shared {
+    /// Sends the events a change of a relay's admission made. Called with that admission's lock
+    /// held, so that whoever reads the relay's state ([`Follower::relays`], its counters) after
+    /// the change finds the change's events already sent.
     fn emit(&self, events: &mut Vec<ClientEvent>) {
         for e in events.drain(..) {
             // No receiver is fine: events are for whoever listens.
@@ -433,8 +438,8 @@ async fn follow(relay: Arc<Relay>, shared: Arc<Shared>, mut stop: oneshot::Recei
                 a.count_receive_timeout();
             }
             a.on_disconnected(err.to_string(), &mut events);
+            shared.emit(&mut events);
         }
-        shared.emit(&mut events);
         let delay = match &err {
             StreamError::Unauthenticated(_) => backoff.max_delay(),
             _ => backoff.next_delay().max(hint.unwrap_or_default()),
@@ -472,8 +477,11 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
         Ok(Ok(r)) => r.into_inner(),
     };
     let mut events = Vec::new();
-    lock(&relay.admission).on_connected(&mut events);
-    shared.emit(&mut events);
+    {
+        let mut a = lock(&relay.admission);
+        a.on_connected(&mut events);
+        shared.emit(&mut events);
+    }
     let mut deadline = Instant::now() + cfg.receive_timeout;
     let mut status_tick = tokio::time::interval_at(Instant::now() + cfg.status_interval, cfg.status_interval);
     status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -491,8 +499,12 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
                 };
                 let now = Instant::now();
                 deadline = now + cfg.receive_timeout;
-                let verdict = lock(&relay.admission).apply(msg, &shared.index, now, &mut events);
-                shared.emit(&mut events);
+                let verdict = {
+                    let mut a = lock(&relay.admission);
+                    let v = a.apply(msg, &shared.index, now, &mut events);
+                    shared.emit(&mut events);
+                    v
+                };
                 match verdict {
                     Verdict::Continue => backoff.reset(),
                     Verdict::Resume(why) => return StreamError::Resume(why),

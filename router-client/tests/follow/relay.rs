@@ -15,7 +15,7 @@ use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::{PrefixIndex, StagedSnapshot, TierId};
-use kv_router_client::{http, FollowConfig, Follower, RelayInfo, WorkerState};
+use kv_router_client::{http, ClientEvent, FollowConfig, Follower, RelayInfo, WorkerState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -444,6 +444,7 @@ async fn cursor_trimmed_from_the_history_resyncs_by_snapshot() {
     // The history no longer starts at 1 when the router first comes: it starts by a snapshot.
     traffic.commit(&store, 100, &mut records);
     let f = Follower::new(follow_cfg());
+    let mut events = f.events();
     f.add_relay(&url).unwrap();
     let r = caught_up(&f, &url, &store).await;
     assert_eq!(r.counters.snapshots, 1);
@@ -456,6 +457,17 @@ async fn cursor_trimmed_from_the_history_resyncs_by_snapshot() {
     let r = caught_up(&f, &url, &store).await;
     assert_eq!((r.counters.snapshots, r.counters.epoch_changes), (2, 0));
     assert_exact(&f, &url, &store, &records, &traffic);
+    // Every snapshot the counters show was already sent as an event, with its reason and cursor.
+    let mut snapshots = Vec::new();
+    while let Ok(e) = events.try_recv() {
+        if let ClientEvent::SnapshotApplied { reason, cursor, .. } = e {
+            snapshots.push((reason, cursor));
+        }
+    }
+    assert_eq!(
+        snapshots,
+        [("snapshot_reason_new_client".to_string(), 100), ("snapshot_reason_cursor_trimmed".to_string(), 200)]
+    );
     f.shutdown().await;
     server.stop().await;
 }

@@ -9,7 +9,7 @@ use kv_relay::model::Tier;
 use kv_router_client::{ClientEvent, FollowConfig, Follower, Position, RelayCounters};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use tokio::sync::broadcast::error::RecvError;
+use tokio::sync::broadcast::{self, error::TryRecvError};
 
 /// What a worker holds, for every worker: `(dp_rank, tier name)` to each hash's copy count.
 /// Tiers are named as the client's index names them (`device`, `host`, ...); empty sets are
@@ -43,6 +43,31 @@ struct Seen {
     controls: Vec<(u32, &'static str)>,
     /// Events the collector missed (the follower never waits for a slow receiver).
     lost: u64,
+}
+
+/// The follower's event receiver and what was drained from it.
+struct Events {
+    rx: broadcast::Receiver<ClientEvent>,
+    seen: Seen,
+}
+
+impl Events {
+    /// Takes every event sent so far.
+    fn drain(&mut self) {
+        loop {
+            let s = &mut self.seen;
+            match self.rx.try_recv() {
+                Ok(ClientEvent::SnapshotApplied { reason, .. }) => *s.snapshots.entry(reason).or_default() += 1,
+                Ok(ClientEvent::RankReset { dp_rank, .. }) => s.controls.push((dp_rank, "rank_reset")),
+                Ok(ClientEvent::RankDegraded { dp_rank, .. }) => s.controls.push((dp_rank, "rank_degraded")),
+                Ok(ClientEvent::RankIncomplete { dp_rank, .. }) => s.controls.push((dp_rank, "rank_incomplete")),
+                Ok(ClientEvent::RankRecovered { dp_rank, .. }) => s.controls.push((dp_rank, "rank_recovered")),
+                Ok(_) => {}
+                Err(TryRecvError::Lagged(n)) => s.lost += n,
+                Err(TryRecvError::Empty | TryRecvError::Closed) => return,
+            }
+        }
+    }
 }
 
 /// What one router holds and has seen, read at one moment.
@@ -82,7 +107,7 @@ impl RouterState {
 pub struct Router {
     pub follower: Follower,
     url: String,
-    seen: Arc<Mutex<Seen>>,
+    events: Arc<Mutex<Events>>,
 }
 
 impl Router {
@@ -90,28 +115,18 @@ impl Router {
     pub fn start(rt: &tokio::runtime::Handle, url: String, cfg: FollowConfig) -> Router {
         let _in_rt = rt.enter();
         let follower = Follower::new(cfg);
-        let seen = Arc::new(Mutex::new(Seen::default()));
-        let mut events = follower.events();
-        let into = seen.clone();
+        let events = Arc::new(Mutex::new(Events { rx: follower.events(), seen: Seen::default() }));
+        // Drained here often enough that the receiver never lags, and by every read.
+        let weak = Arc::downgrade(&events);
         rt.spawn(async move {
-            loop {
-                let e = events.recv().await;
-                let mut s = into.lock().expect("router events");
-                match e {
-                    Ok(ClientEvent::SnapshotApplied { reason, .. }) => *s.snapshots.entry(reason).or_default() += 1,
-                    Ok(ClientEvent::RankReset { dp_rank, .. }) => s.controls.push((dp_rank, "rank_reset")),
-                    Ok(ClientEvent::RankDegraded { dp_rank, .. }) => s.controls.push((dp_rank, "rank_degraded")),
-                    Ok(ClientEvent::RankIncomplete { dp_rank, .. }) => s.controls.push((dp_rank, "rank_incomplete")),
-                    Ok(ClientEvent::RankRecovered { dp_rank, .. }) => s.controls.push((dp_rank, "rank_recovered")),
-                    Ok(_) => {}
-                    Err(RecvError::Lagged(n)) => s.lost += n,
-                    // The follower's tasks ended (it was dropped).
-                    Err(RecvError::Closed) => return,
-                }
+            while let Some(ev) = weak.upgrade() {
+                ev.lock().expect("router events").drain();
+                drop(ev);
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
             }
         });
         follower.add_relay(&url).expect("follow the relay");
-        Router { follower, url, seen }
+        Router { follower, url, events }
     }
 
     /// The router's index for every worker of the relay.
@@ -136,7 +151,13 @@ impl Router {
         let relay = self.follower.relays().into_iter().find(|r| *r.url == *self.url).expect("relay followed");
         let degraded =
             self.follower.workers().iter().filter(|w| w.degraded.is_some()).map(|w| w.dp_rank).collect::<BTreeSet<_>>();
-        let seen = self.seen.lock().expect("router events").clone();
+        // Drained after reading the relay's state: every event of a change that state shows was
+        // sent before it (`Follower::events`).
+        let seen = {
+            let mut ev = self.events.lock().expect("router events");
+            ev.drain();
+            ev.seen.clone()
+        };
         RouterState {
             held: self.held(),
             position: relay.position(),
