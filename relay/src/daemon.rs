@@ -149,8 +149,10 @@ pub async fn run(
 /// How long the committer retries a store that failed and must be reopened (after a write error
 /// such as a full disk, sled refuses every later write) before the daemon stops with that error,
 /// so that its supervisor (systemd `Restart=on-failure`, a pod's restart policy) reopens the
-/// store: the reopened store holds every commit before the failed one, and the relay refills
-/// the rest from the engine's replay socket. Meanwhile Status and metrics show the errors.
+/// store. It stops only once the store saved the writes its reopen must apply again
+/// ([`Store::save_redo`], which needs some free space): the reopened store then holds every
+/// commit up to the failed one, and the relay refills the rest from the engine's replay socket.
+/// Meanwhile Status and metrics show the errors.
 pub const STORE_FAILED_EXIT_AFTER: Duration = Duration::from_secs(5);
 
 fn engine_name(cfg: &Config) -> String {
@@ -220,10 +222,19 @@ fn commit_loop(
                 Err(e) => {
                     status.add("store_errors", 1);
                     if matches!(e, StoreError::Failed { .. }) && started.elapsed() >= STORE_FAILED_EXIT_AFTER {
-                        tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
-                        *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        failed.0.send_replace(true);
-                        return;
+                        match store.save_redo() {
+                            Ok(()) => {
+                                tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
+                                *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                                failed.0.send_replace(true);
+                                return;
+                            }
+                            Err(save) => tracing::error!(
+                                error = %save,
+                                "the store failed, and the writes its reopen must apply again are not saved yet: \
+                                 free space in the state directory; the relay stops (to be restarted) once they are"
+                            ),
+                        }
                     }
                     // Keep the records and retry: the queue backs up onto the engine's sockets.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");

@@ -911,26 +911,34 @@ fn fill_body(rng: &mut StdRng, seq: u64) -> RecordBody {
     body
 }
 
-/// Not a test on its own: the child process of `a_full_disk_…`. It commits (and flushes) the
-/// stream until a write fails, prints the last durable cursor, the error and what the next
-/// commit answered, and exits without closing the store, as the relay does: sled cannot close a
-/// store whose write failed (its flush waits forever, holding a lock every sled call in the
-/// process needs).
+/// Not a test on its own: the child process of `a_full_disk_…`. It commits the stream,
+/// flushing after every fourth commit (so that sled may hold unwritten batches when the disk
+/// fills, as in the relay), until a write fails; it prints the last cursor committed, the error
+/// and what the next commit answered. Told on stdin that there is room again, it saves the store's redo and exits
+/// without closing the store, as the relay does: sled cannot close a store whose write failed
+/// (its flush waits forever, holding a lock every sled call in the process needs).
 #[test]
 fn disk_fill_child() {
     let Ok(dir) = std::env::var(FILL_DIR) else { return };
     let s = open(Path::new(&dir));
     let mut rng = StdRng::seed_from_u64(3);
-    let mut durable = 0;
+    let mut committed = 0;
     for seq in 0..100_000u64 {
-        match s.commit(fill_body(&mut rng, seq)).and_then(|r| s.flush().map(|_| r)) {
-            Ok(r) => durable = r.cursor,
+        let flushed = |r: Record| if seq % 4 == 3 { s.flush().map(|_| r) } else { Ok(r) };
+        match s.commit(fill_body(&mut rng, seq)).and_then(flushed) {
+            Ok(r) => committed = r.cursor,
             Err(e) => {
                 // Once a write failed, the store refuses further commits until it is reopened.
                 let again = s.commit(control(0, ControlKind::RankRecovered)).unwrap_err();
                 let refused = matches!(again, StoreError::Failed { .. } | StoreError::DiskFull { .. });
-                println!("\nfill durable={durable}\nfill disk_full={}", matches!(e, StoreError::DiskFull { .. }));
+                println!("\nfill committed={committed}\nfill disk_full={}", matches!(e, StoreError::DiskFull { .. }));
                 println!("fill refused_after={refused}\nfill error={e}");
+                let mut go = String::new();
+                std::io::stdin().read_line(&mut go).unwrap();
+                match s.save_redo() {
+                    Ok(()) => println!("fill redo_saved=ok"),
+                    Err(e) => println!("fill redo_saved={e}"),
+                }
                 std::process::exit(0);
             }
         }
@@ -940,53 +948,75 @@ fn disk_fill_child() {
 }
 
 #[test]
-fn a_full_disk_fails_the_commit_and_keeps_every_commit_before_it() {
+fn a_full_disk_fails_the_commit_and_the_reopen_holds_every_commit_up_to_it() {
+    use std::io::{BufRead, Write};
     use std::time::{Duration, Instant};
     let Some(disk) = SmallDisk::mount("6m") else { return };
     let path = disk.dir.path().join("state");
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["disk_fill_child", "--exact", "--nocapture", "--test-threads", "1"])
         .env(FILL_DIR, &path)
+        .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
-    while child.try_wait().unwrap().is_none() {
-        if t0.elapsed() > Duration::from_secs(600) {
-            child.kill().unwrap();
-            panic!("the process filling the disk did not finish in 10 minutes");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    // The child fills the disk until a write fails, then waits for room to save its redo.
+    let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut out = String::new();
-    std::io::Read::read_to_string(&mut child.stdout.take().unwrap(), &mut out).unwrap();
-    let said: BTreeMap<&str, &str> =
-        out.lines().filter_map(|l| l.strip_prefix("fill ")).filter_map(|l| l.split_once('=')).collect();
-    assert_eq!(said.get("disk_full"), Some(&"true"), "{out}");
-    assert_eq!(said.get("refused_after"), Some(&"true"), "{out}");
-    let msg = said["error"];
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        out.push_str(&line);
+        out.push('\n');
+        if line.starts_with("fill error=") || line.starts_with("fill never_full") {
+            break;
+        }
+    }
+    let said: BTreeMap<String, String> = out
+        .lines()
+        .filter_map(|l| l.strip_prefix("fill "))
+        .filter_map(|l| l.split_once('='))
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    assert_eq!(said.get("disk_full").map(String::as_str), Some("true"), "{out}");
+    assert_eq!(said.get("refused_after").map(String::as_str), Some("true"), "{out}");
+    let msg = &said["error"];
     assert!(msg.starts_with(&format!("disk full in {} during ", path.display())), "{msg}");
     assert!(msg.ends_with(": the store keeps its last durable state; free space and reopen it"), "{msg}");
-    let durable: u64 = said["durable"].parse().unwrap();
-    assert!(durable > 0);
-    let mut reference = Reference::default();
-    let mut rng = StdRng::seed_from_u64(3);
-    (0..durable).for_each(|seq| reference.apply(&fill_body(&mut rng, seq)));
-    // With room again, the reopened store holds every commit that succeeded, and a consistent
-    // snapshot of them.
+    let committed: u64 = said["committed"].parse().unwrap();
+    assert!(committed > 0);
+    // With room again, the failed store saves the writes its reopen must apply again.
     disk.remount("size=64m");
+    writeln!(child.stdin.take().unwrap(), "go").unwrap();
+    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let t0 = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "the filling process did not end");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(rest.iter().any(|l| l == "fill redo_saved=ok"), "{rest:?}");
+    // The reopened store holds every commit that succeeded, and the failed one when any part of
+    // it was written, whole: a snapshot equal to its history, and to the stream up to there.
     let s = open(&path);
-    assert!(s.newest_cursor() >= durable, "newest {} < durable {durable}", s.newest_cursor());
+    assert!(!path.join("redo").exists());
+    let newest = s.newest_cursor();
+    assert!(newest == committed || newest == committed + 1, "newest {newest}, committed {committed}");
     let hist = all_history(&s);
-    assert_eq!(hist.len() as u64, s.newest_cursor());
+    assert_eq!(hist.len() as u64, newest);
     let mut replay = Reference::default();
     hist.iter().for_each(|r| replay.apply(&r.body));
-    assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, replay.snapshot(&SnapshotFilter::all()));
-    if s.newest_cursor() == durable {
-        assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, reference.snapshot(&SnapshotFilter::all()));
-    }
+    let mut reference = Reference::default();
+    let mut rng = StdRng::seed_from_u64(3);
+    (0..newest).for_each(|seq| reference.apply(&fill_body(&mut rng, seq)));
+    let snap = snapshot_all(&s, SnapshotFilter::all()).1;
+    assert_eq!(snap, replay.snapshot(&SnapshotFilter::all()));
+    assert_eq!(snap, reference.snapshot(&SnapshotFilter::all()));
     s.commit(control(0, ControlKind::RankRecovered)).unwrap();
+    drop(s);
+    // The redo was applied once: the next open finds the commit made after it.
+    let s = open(&path);
+    assert_eq!(s.newest_cursor(), newest + 1);
+    assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, snap);
 }
 
 #[test]

@@ -15,7 +15,8 @@ pub enum StoreError {
     /// Another process (or another `Store` in this one) has the directory open.
     #[error("store in {dir} is in use by another process")]
     Locked { dir: PathBuf },
-    /// The disk is full: the failed write is not applied (sled batches are all or nothing).
+    /// The disk is full. The store fails; its reopen applies the writes sled may have left half
+    /// on disk whole (see the store's "A failed write").
     #[error("disk full in {dir} during {op}: the store keeps its last durable state; free space and reopen it")]
     DiskFull { op: &'static str, dir: PathBuf },
     /// The directory cannot be written.
