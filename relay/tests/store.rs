@@ -427,6 +427,8 @@ fn an_unreadable_store_is_moved_aside_and_gets_a_new_epoch() {
         db.open_tree("data").unwrap().insert("x", "y").unwrap();
         db.flush().unwrap();
     }
+    // A redo left beside it belongs to it: it goes aside too, unread.
+    std::fs::write(dir.path().join("redo"), b"the old store's").unwrap();
     let s = open(dir.path());
     assert_eq!((s.incarnation(), s.newest_cursor()), (1, 0));
     let aside: Vec<_> = std::fs::read_dir(dir.path())
@@ -435,6 +437,8 @@ fn an_unreadable_store_is_moved_aside_and_gets_a_new_epoch() {
         .filter(|n| n.starts_with("unreadable-"))
         .collect();
     assert_eq!(aside.len(), 1, "{aside:?}");
+    assert!(!dir.path().join("redo").exists());
+    assert_eq!(std::fs::read(dir.path().join(&aside[0]).join("redo")).unwrap(), b"the old store's");
 }
 
 #[test]

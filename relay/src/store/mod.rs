@@ -560,7 +560,14 @@ fn set_aside(dir: &Path, sled_dir: &Path, why: &str) -> Result<(), StoreError> {
     let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let to = dir.join(format!("unreadable-{ms}"));
     tracing::warn!(dir = %dir.display(), moved_to = %to.display(), why, "store unreadable: starting a new one with a new epoch");
-    std::fs::rename(sled_dir, &to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))
+    std::fs::rename(sled_dir, &to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))?;
+    // A redo belongs to the store set aside, never to the new one.
+    match std::fs::rename(dir.join(REDO_FILE), to.join(REDO_FILE)) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+            Err(StoreError::io("set aside an unreadable store's redo", dir, e))
+        }
+        _ => Ok(()),
+    }
 }
 
 impl Store {
