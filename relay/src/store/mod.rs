@@ -254,7 +254,7 @@ impl Writer {
     }
 
     /// After an I/O error sled refuses further writes, and fails reads too, until it is
-    /// reopened: the store fails. The batches written since the last flush become the redo,
+    /// reopened: the store fails. The batches kept (see "A failed write") become the redo,
     /// saved now if there is room.
     fn mark_failed(&mut self, dir: &Path, e: &StoreError) {
         if self.failed.is_none()
@@ -378,7 +378,7 @@ impl Drop for Inner {
         // the one sled makes when its last handle goes) would wait for it forever, holding a
         // lock every sled call in the process needs. So a failed store is left open: its handles
         // are leaked, and the process (which must reopen the store to write again) exits with
-        // them. The last durable state is what the reopen finds either way.
+        // them. What the reopen finds is made whole by the redo, saved here if it was not yet.
         let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         if w.failed.is_some() {
             if let Err(e) = w.save_redo(&self.dir) {
