@@ -76,9 +76,13 @@
 //! block at a time while they drop out, then windows of 8 blocks whose cache misses overlap
 //! (it touches their home groups before reading any). Pages whose entries all died are freed
 //! and reused after a grace period (so no lookup reads a page that changed owner under it);
-//! a page left a quarter full by removals is compacted (its live entries move, in order, to
-//! the holder's current page). Cost: 8 bytes per (holder, block) plus page slack, and 48
-//! bytes per page of 64 entries (its valid word, stamp and links).
+//! a page left a sixteenth full by removals is compacted (its live entries move, in order, to
+//! the holder's current page), and one left a quarter full too when the pages in use are
+//! less than half full, so page slack stays bounded. Cost: 8 bytes per (holder, block) plus page slack, and 48
+//! bytes per page of 64 entries (its valid word, stamp and links). Compaction costs a probe
+//! per moved entry and leaves links into the moved entries stale, and in a cache's churn the
+//! pages it would empty mostly empty themselves: compacting every quarter-full page made the
+//! 128-worker Mooncake bench's writes slower and used more pages (`docs/benchmarks.md`).
 //!
 //! **Crowded first blocks.** A system prompt's first block is held by every worker, so a
 //! lookup starting with it makes a candidate per worker (hundreds) before block 1 drops most
@@ -139,7 +143,8 @@
 //!   groups. A resync's snapshot is stored block by block in the snapshot's order, without
 //!   parents: until the worker's next events, its lookups probe more.
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
-//!   free or compact a page (moving up to 16 entries, a probe each). Freed pages are
+//!   free or compact a page (moving up to 4 entries, or up to 16 when pages are less than
+//!   half full, a probe each). Freed pages are
 //!   reused once a grace period has passed; writers start it and never wait for it (they
 //!   take fresh pages meanwhile, so a long lookup costs a little memory, not write time).
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
@@ -636,8 +641,10 @@ impl PrefixIndex {
                     Subbed::Taken => out.removed += 1,
                     Subbed::Died { entry } => {
                         out.removed += 1;
-                        if let Some(sparse) = self.runs.invalidate(&cursors, holder, entry) {
-                            self.compact(&mut cursors, holder, sparse);
+                        if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry) {
+                            if runs::compact_now(left, self.pages_half_empty()) {
+                                self.compact(&mut cursors, holder, sparse);
+                            }
                         }
                     }
                     Subbed::Missing => out.missing += 1,
@@ -648,6 +655,13 @@ impl PrefixIndex {
             self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
         }
         out
+    }
+
+    /// True when the pages in use hold fewer live entries than half their room (live slots
+    /// stand for their entries): then sparse pages are worth compacting.
+    fn pages_half_empty(&self) -> bool {
+        let live: usize = self.tables.load().iter().map(|t| t.live()).sum();
+        live * 2 < self.runs.pages().0 * PAGE as usize
     }
 
     /// Moves the valid entries of `holder`'s sparse `page` to its current page (in order, so

@@ -143,6 +143,15 @@ impl Page {
     }
 }
 
+/// Whether a page left with `left` valid entries (a quarter or less) is compacted, when the
+/// pages in use are `half_empty` or not: always at a sixteenth or less; at a quarter only when
+/// pages are half empty, so that page slack stays bounded. Compacting every quarter-full page
+/// cost a probe per moved entry and, in a cache's churn, used more pages, not fewer: the pages
+/// it would empty mostly empty themselves (`docs/benchmarks.md`).
+pub(super) fn compact_now(left: u32, half_empty: bool) -> bool {
+    left <= PAGE / 16 || (half_empty && left <= PAGE / 4)
+}
+
 /// Where a holder appends: its current page and how many entries of it are used.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct Cursor {
@@ -277,8 +286,9 @@ impl Runs {
 
     /// Marks `entry` (of a slot of `holder` that just died, or moved) invalid, freeing its
     /// page when no valid entry is left and the holder no longer appends to it. Returns the
-    /// page if it is now sparse (a quarter or less valid) and worth compacting.
-    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32) -> Option<u32> {
+    /// page and its valid entries if it is now sparse (a quarter or less valid), for
+    /// [`compact_now`] to judge.
+    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32) -> Option<(u32, u32)> {
         let p = self.page(entry)?;
         let bit = 1 << (entry % PAGE);
         let left = p.valid.fetch_and(!bit, Ordering::Release) & !bit;
@@ -290,7 +300,7 @@ impl Runs {
             self.free(page);
             return None;
         }
-        (left.count_ones() <= PAGE / 4).then_some(page)
+        (left.count_ones() <= PAGE / 4).then_some((page, left.count_ones()))
     }
 
     /// The valid entries of `page`, as `(entry, hash)`.

@@ -127,22 +127,52 @@ fn pages_of_dropped_runs_are_reused_and_answers_stay_exact() {
 }
 
 #[test]
-fn a_page_left_sparse_is_compacted_and_its_blocks_still_match() {
+fn a_page_left_sparse_is_compacted_when_pages_are_half_empty_and_its_blocks_still_match() {
+    let mut p = pair();
+    let s = seq(6, 136);
+    // Pages: s[..64], s[64..128], and s[128..] (the one appended to).
+    p.store(w(0), TierId::DEVICE, &s[..64]);
+    p.store(w(0), TierId::DEVICE, &s[64..128]);
+    p.store(w(0), TierId::DEVICE, &s[128..]);
+    assert_eq!(p.index.stats().run_pages.0, 3);
+    // Removing 48 of the first page's blocks leaves 16 in it and 88 in 3 pages (room for 192):
+    // the 16 move to the last page and the first is freed.
+    p.remove(w(0), TierId::DEVICE, &s[10..58]);
+    assert_eq!(p.index.stats().run_pages.0, 2);
+    assert_eq!(device(&p, 0, &s), (10, 10));
+    assert_eq!(device(&p, 0, &s[58..]), (78, 78));
+    p.store(w(0), TierId::DEVICE, &s[10..58]);
+    assert_eq!(device(&p, 0, &s), (136, 136));
+    p.check_blocks(&[w(0)]);
+    p.check_counts();
+}
+
+#[test]
+fn a_nearly_empty_page_is_always_compacted_and_a_sparse_one_only_when_pages_are_half_empty() {
     let mut p = pair();
     let s = seq(6, 200);
     // Pages: s[..64], s[64..128], s[128..192], and s[192..] (the one appended to).
     p.store(w(0), TierId::DEVICE, &s[..64]);
     p.store(w(0), TierId::DEVICE, &s[64..128]);
     p.store(w(0), TierId::DEVICE, &s[128..]);
-    assert_eq!(p.index.stats().run_pages.0, 4);
-    // Removing 48 of the first page's blocks leaves 16: they move to the last page and the
-    // first is freed.
+    // 48 of the first page's blocks removed leave 16 in it and 152 in 4 pages (room for 256):
+    // nothing moves.
     p.remove(w(0), TierId::DEVICE, &s[10..58]);
-    assert_eq!(p.index.stats().run_pages.0, 3);
+    assert_eq!(p.index.stats().run_pages.0, 4);
     assert_eq!(device(&p, 0, &s), (10, 10));
     assert_eq!(device(&p, 0, &s[58..]), (142, 142));
-    p.store(w(0), TierId::DEVICE, &s[10..58]);
-    assert_eq!(device(&p, 0, &s), (200, 200));
+    // 12 more leave 4 in it (s[60..64]), and 140 live: a page left with 4 moves anyway.
+    p.remove(w(0), TierId::DEVICE, &s[..10]);
+    assert_eq!(p.index.stats().run_pages.0, 4);
+    p.remove(w(0), TierId::DEVICE, &s[58..60]);
+    assert_eq!(p.index.stats().run_pages.0, 3);
+    assert_eq!(device(&p, 0, &s[60..]), (140, 140));
+    // 48 of the second page's: at 16 left in it, 92 live in 3 pages (room for 192), under
+    // half: it moves too.
+    p.remove(w(0), TierId::DEVICE, &s[64..112]);
+    assert_eq!(p.index.stats().run_pages.0, 2);
+    assert_eq!(device(&p, 0, &s[60..]), (4, 4));
+    assert_eq!(device(&p, 0, &s[112..]), (88, 88));
     p.check_blocks(&[w(0)]);
     p.check_counts();
 }
