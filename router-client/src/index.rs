@@ -641,7 +641,7 @@ impl PrefixIndex {
                     Subbed::Taken => out.removed += 1,
                     Subbed::Died { entry } => {
                         out.removed += 1;
-                        if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry) {
+                        if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry, &self.grace) {
                             if runs::compact_now(left, self.pages_half_empty()) {
                                 self.compact(&mut cursors, holder, sparse);
                             }
@@ -682,7 +682,7 @@ impl PrefixIndex {
             drop(table);
             let stale = if ok { old } else { entry };
             debug_assert!(ok, "a valid entry is its slot's entry");
-            self.runs.invalidate(cursors, holder, stale);
+            self.runs.invalidate(cursors, holder, stale, &self.grace);
             // Entries adjacent in the old page stay joined.
             if let Some(&(_, prev)) = moved.last().filter(|&&(before, _)| old == before + 1) {
                 self.runs.join(prev, entry);
@@ -715,7 +715,7 @@ impl PrefixIndex {
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut cursors = self.runs.lock(holder);
         self.remove_where(|v| v & table::HOLDER == holder);
-        self.runs.drop_pages(|h| h == holder);
+        self.runs.drop_pages(|h| h == holder, &self.grace);
         cursors.remove(&holder);
     }
 
@@ -750,7 +750,7 @@ impl PrefixIndex {
         // 4. Delete the old state, and its runs (no lookup reads them any more).
         let old = ((worker.get() as u64) << 1) | old_tag;
         self.remove_where(|v| v >> 40 == old);
-        self.runs.drop_pages(|h| h >> 40 == old);
+        self.runs.drop_pages(|h| h >> 40 == old, &self.grace);
         for tier in 0..64 {
             let holder = table::holder(worker.get(), old_tag, tier);
             self.runs.lock(holder).remove(&holder);

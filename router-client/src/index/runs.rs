@@ -32,7 +32,7 @@
 //! lookup that reads the same owned stamp before and after the page's entries read them within
 //! one owner's tenure, where a valid entry proves that owner holds its hash.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
@@ -189,13 +189,8 @@ struct PoolState {
     fresh: u32,
     /// Free pages, reusable now.
     free: Vec<u32>,
-    /// Freed pages whose grace period has not started.
-    limbo: Vec<u32>,
-    /// Freed pages whose grace period started: reusable once it ends.
-    waiting: Vec<u32>,
-    /// The grace period of `waiting`: the parity its last flip gave, and whether that flip
-    /// was its second (then its end frees `waiting`).
-    pending: Option<(usize, bool)>,
+    /// Freed pages and their grace tickets, oldest first: reusable once the ticket passed.
+    retired: VecDeque<(u32, u64)>,
 }
 /// The page of a cursor that has none yet.
 const NO_PAGE: u32 = u32::MAX;
@@ -273,7 +268,7 @@ impl Runs {
                 return table::NO_ENTRY;
             };
             if cursor.page != NO_PAGE {
-                self.free_if_empty(cursor.page);
+                self.free_if_empty(cursor.page, grace);
             }
             *cursor = Cursor { page, used: 0 };
         }
@@ -288,7 +283,7 @@ impl Runs {
     /// page when no valid entry is left and the holder no longer appends to it. Returns the
     /// page and its valid entries if it is now sparse (a quarter or less valid), for
     /// [`compact_now`] to judge.
-    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32) -> Option<(u32, u32)> {
+    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32, grace: &Grace) -> Option<(u32, u32)> {
         let p = self.page(entry)?;
         let bit = 1 << (entry % PAGE);
         let left = p.valid.fetch_and(!bit, Ordering::Release) & !bit;
@@ -297,7 +292,7 @@ impl Runs {
             return None;
         }
         if left == 0 {
-            self.free(page);
+            self.free(page, grace);
             return None;
         }
         (left.count_ones() <= PAGE / 4).then_some((page, left.count_ones()))
@@ -318,16 +313,19 @@ impl Runs {
 
     /// Drops every page of the holders matching `drop` (their slots are gone). Caller holds
     /// those holders' locks (or otherwise excludes their writers) and removes their cursors.
-    pub fn drop_pages(&self, drop: impl Fn(u64) -> bool) {
+    pub fn drop_pages(&self, drop: impl Fn(u64) -> bool, grace: &Grace) {
         let mut st = lock(&self.state);
+        let mut dropped = Vec::new();
         for page in 0..st.fresh {
             let p = self.page(page * PAGE).expect("allocated");
             if owner(p.stamp.load(Ordering::Relaxed)).is_some_and(&drop) {
                 p.valid.store(0, Ordering::Release);
                 Self::disown(p);
-                st.limbo.push(page);
+                dropped.push(page);
             }
         }
+        let ticket = grace.ticket();
+        st.retired.extend(dropped.into_iter().map(|page| (page, ticket)));
     }
 
     /// Marks a page free in its stamp (its entries are all invalid by now). Caller holds the
@@ -337,42 +335,32 @@ impl Runs {
         p.stamp.store(stamp & !(OWNED | STAMP_HOLDER), Ordering::Release);
     }
 
-    fn free_if_empty(&self, page: u32) {
+    fn free_if_empty(&self, page: u32, grace: &Grace) {
         if self.page(page * PAGE).is_some_and(|p| p.valid.load(Ordering::Acquire) == 0) {
-            self.free(page);
+            self.free(page, grace);
         }
     }
 
-    fn free(&self, page: u32) {
+    fn free(&self, page: u32, grace: &Grace) {
         let mut st = lock(&self.state);
         let p = self.page(page * PAGE).expect("a freed page exists");
         if p.stamp.load(Ordering::Relaxed) & OWNED != 0 {
             Self::disown(p);
-            st.limbo.push(page);
+            st.retired.push_back((page, grace.ticket()));
         }
     }
 
-    /// A page for `holder`: a free one, else a fresh one. Freed pages become free once a
-    /// grace period that started after they were freed has ended (every lookup that could
-    /// still read them is over); writers never wait for it, they check at each allocation.
+    /// A page for `holder`: a free one, else a fresh one. Freed pages become free once their
+    /// grace ticket has passed (every lookup that could still read them is over); writers
+    /// never wait for it, they move the grace periods on and check at each allocation.
     fn alloc(&self, holder: u64, grace: &Grace) -> Option<u32> {
         let mut st = lock(&self.state);
-        match st.pending {
-            Some((parity, second)) if grace.ended(parity) => {
-                if second {
-                    let waiting = std::mem::take(&mut st.waiting);
-                    st.free.extend(waiting);
-                    st.pending = None;
-                } else if let Some(parity) = grace.start() {
-                    st.pending = Some((parity, true));
-                }
-            }
-            _ => {}
-        }
-        if st.pending.is_none() && !st.limbo.is_empty() {
-            if let Some(parity) = grace.start() {
-                st.waiting = std::mem::take(&mut st.limbo);
-                st.pending = Some((parity, false));
+        if !st.retired.is_empty() {
+            grace.advance();
+            let ended = grace.periods_ended();
+            while st.retired.front().is_some_and(|&(_, ticket)| ended > ticket) {
+                let (page, _) = st.retired.pop_front().expect("a retired page");
+                st.free.push(page);
             }
         }
         let page = match st.free.pop() {
@@ -401,7 +389,7 @@ impl Runs {
     /// Pages owned by holders, and free ones (reusable now or after a grace period).
     pub fn pages(&self) -> (usize, usize) {
         let st = lock(&self.state);
-        let free = st.free.len() + st.limbo.len() + st.waiting.len();
+        let free = st.free.len() + st.retired.len();
         (st.fresh as usize - free, free)
     }
 
@@ -412,7 +400,8 @@ impl Runs {
         let cursors: usize = self.cursors.iter().map(|c| lock(c).capacity() * (8 + 8 + 8)).sum();
         chunks * CHUNK * std::mem::size_of::<Page>()
             + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[Page]>>>()
-            + (st.free.capacity() + st.limbo.capacity() + st.waiting.capacity()) * 4
+            + st.free.capacity() * 4
+            + st.retired.capacity() * 16
             + cursors
             + STRIPES * std::mem::size_of::<Mutex<Cursors>>()
     }
