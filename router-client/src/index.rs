@@ -46,8 +46,9 @@
 //! control byte (a 7-bit fingerprint, SwissTable style; seven per 64-bit group word, whose
 //! eighth byte counts inserts that overflowed the group, so probes usually end at the home
 //! group). Block hashes are chained (each encodes its prefix), so the table alone answers a
-//! lookup with one probe per request block. The table is rebuilt to ~72% load when it
-//! reaches 7/8 (live slots plus tombstones).
+//! lookup with one probe per request block. A dead slot is reused, for any key, once a grace
+//! period has passed since it died (`table.rs`). The table is rebuilt to ~72% load when it
+//! reaches 7/8 (live slots plus dead ones).
 //!
 //! **Runs: lookups walk contiguous memory.** A probe per block is a random cache miss or two,
 //! and a long request (100-250 blocks) paid one per block where a compressed radix tree
@@ -101,8 +102,8 @@
 //! and a candidate's tier runs are kept with it, so ending a candidate writes nothing else.
 //!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
-//! writer publishes a new slot's key and value before its control byte (`Release`), never
-//! changes a published slot's key (a tombstoned slot is reused only for the same hash),
+//! writer publishes a new slot's key and value before its control byte (`Release`), gives a
+//! dead slot another key only after a grace period (no lookup that saw it live is left),
 //! writes a page entry before setting its valid bit and clears the bit only after its slot
 //! died or moved, and replaces a full table by building a new one and publishing the shards'
 //! table set through an [`arc_swap::ArcSwap`] (one load per lookup). A lookup therefore sees
@@ -133,7 +134,10 @@
 //!   workers' incremental writes proceed unless they hash to the same worker stripe.
 //! - A hash held by `k` (worker, tier) pairs costs `k` slots and a lookup step scans all of
 //!   them: cost grows with the number of holders of a block, which is what the answer lists.
-//! - Tombstones linger until the shard's next rebuild (they only cost probe length).
+//! - Dead slots wait a grace period before reuse; until then, and those that no insert
+//!   reaches, they cost room until the shard's next rebuild (lookups skip them by their
+//!   control byte). A removal takes a grace ticket (one atomic read-modify-write) per slot
+//!   that dies, and moves the grace periods on once per call.
 //! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
 //! - Runs follow store order, not request order: a conversation whose turns were stored as
 //!   separate events is one run per turn, joined by links when the events came with their
@@ -210,7 +214,7 @@ pub struct RemoveOutcome {
 pub struct IndexStats {
     /// `(worker, tier, hash)` keys with copies > 0.
     pub blocks: usize,
-    /// Tombstoned slots awaiting a rebuild.
+    /// Dead slots (reused after a grace period, or dropped by a rebuild).
     pub tombstones: usize,
     /// Slots allocated over all shards.
     pub slots: usize,
@@ -220,6 +224,8 @@ pub struct IndexStats {
     pub saturated_stores: u64,
     /// Completed [`PrefixIndex::replace_worker`] calls (including clears and removals).
     pub replaces: u64,
+    /// Shard tables rebuilt (grown when full, or shrunk after a worker-level removal).
+    pub rebuilds: u64,
     /// Pages of the holders' runs: in use, and free (reusable now or after a grace period).
     pub run_pages: (usize, usize),
 }
@@ -289,6 +295,7 @@ pub struct PrefixIndex {
     missing_removes: AtomicU64,
     saturated_stores: AtomicU64,
     replaces: AtomicU64,
+    rebuilds: AtomicU64,
 }
 
 impl Default for PrefixIndex {
@@ -496,6 +503,7 @@ impl PrefixIndex {
             missing_removes: AtomicU64::new(0),
             saturated_stores: AtomicU64::new(0),
             replaces: AtomicU64::new(0),
+            rebuilds: AtomicU64::new(0),
         }
     }
 
@@ -521,6 +529,7 @@ impl PrefixIndex {
 
     /// Replaces shard `s`'s table: `current` is the guard of shard `s`'s lock.
     fn publish(&self, s: usize, current: &mut Arc<Table>, table: Table) {
+        self.rebuilds.fetch_add(1, Ordering::Relaxed);
         let table = Arc::new(table);
         *current = table.clone();
         let _p = lock(&self.publish);
@@ -554,11 +563,13 @@ impl PrefixIndex {
         let s = p.shard(self.shard_mask);
         let mut table = lock(&self.shard_locks[s].0);
         let mut entry = || self.runs.append(cursors, holder, p.hash, &self.grace);
-        let (saturated, entry) = match table.add(p, holder, copies, &mut entry, &self.overflow) {
+        let ended = self.grace.periods_ended();
+        let (saturated, entry) = match table.add(p, holder, copies, &mut entry, &self.overflow, ended) {
             Added::Done { saturated, entry } => (saturated, entry),
             Added::Full => {
                 let bigger = table.rebuilt(1);
-                let Added::Done { saturated, entry } = bigger.add(p, holder, copies, &mut entry, &self.overflow) else {
+                let Added::Done { saturated, entry } = bigger.add(p, holder, copies, &mut entry, &self.overflow, ended)
+                else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
                 };
                 self.publish(s, &mut table, bigger);
@@ -571,15 +582,16 @@ impl PrefixIndex {
         entry
     }
 
-    /// Tombstones the entries matching `drop` in every shard, compacting shards left sparse.
+    /// Kills the entries matching `drop` in every shard, compacting shards left sparse.
     fn remove_where(&self, drop: impl Fn(u64) -> bool) {
         for (s, shard_lock) in self.shard_locks.iter().enumerate() {
             let mut table = lock(&shard_lock.0);
-            if table.remove_where(&drop, &self.overflow) > 0 && table.wants_compaction() {
+            if table.remove_where(&drop, &self.overflow, &self.grace) > 0 && table.wants_compaction() {
                 let smaller = table.rebuilt(0);
                 self.publish(s, &mut table, smaller);
             }
         }
+        self.grace.advance();
     }
 
     /// Adds one copy of each hash to `(worker, tier)`.
@@ -636,7 +648,8 @@ impl PrefixIndex {
             let probes = &probes[..chunk.len()];
             Self::touch(&self.tables.load(), self.shard_mask, probes);
             for p in probes {
-                let subbed = lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder, &self.overflow);
+                let subbed =
+                    lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder, &self.overflow, &self.grace);
                 match subbed {
                     Subbed::Taken => out.removed += 1,
                     Subbed::Died { entry } => {
@@ -653,6 +666,10 @@ impl PrefixIndex {
         }
         if out.missing > 0 {
             self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
+        }
+        // Dead slots are reused once a grace period passes: move the periods on.
+        if out.removed > 0 {
+            self.grace.advance();
         }
         out
     }
@@ -1163,6 +1180,7 @@ impl PrefixIndex {
             missing_removes: self.missing_removes.load(Ordering::Relaxed),
             saturated_stores: self.saturated_stores.load(Ordering::Relaxed),
             replaces: self.replaces.load(Ordering::Relaxed),
+            rebuilds: self.rebuilds.load(Ordering::Relaxed),
             run_pages: self.runs.pages(),
             ..IndexStats::default()
         };

@@ -1,9 +1,10 @@
 //! One shard's open-addressing multimap `block hash -> packed holder`, readable without locks.
 //!
 //! Layout: `slots[i] = (key: AtomicU64, val: AtomicU64)` (16 bytes) in groups of seven, and one
-//! `AtomicU64` control word per group: bytes 0..7 are the slots' control bytes, `EMPTY` (0x80)
-//! or a 7-bit fingerprint of the key, and byte 7 is the group's overflow count: how many
-//! inserts found the group full and went on to a later group (saturating, reset by rebuilds).
+//! `AtomicU64` control word per group: bytes 0..7 are the slots' control bytes, `EMPTY` (0x80,
+//! never used), `DELETED` (0xfe, dead) or a 7-bit fingerprint of the key (live), and byte 7 is
+//! the group's overflow count: how many inserts found the group full and went on to a later
+//! group (saturating, reset by rebuilds).
 //! A hash held by several (worker, tier) pairs occupies several slots, all with the same key
 //! (a multimap): a lookup walks the groups from the key's home group and stops after the first
 //! group whose overflow count is 0, usually the home group itself even when it is full.
@@ -11,20 +12,30 @@
 //! `val` packs one holder and its slot's state: `worker:23 | tag:1 | tier:6 | entry:28 |
 //! copies:6` (high to low bits). `entry` names the slot's entry in its holder's pages
 //! (`runs.rs`; `NO_ENTRY` if none); `copies` is the copy count, or `MANY` when the count is
-//! 63 or more and kept in the [`Overflow`] map instead. The all-ones value `TOMB` marks a
-//! removed holder.
+//! 63 or more and kept in the [`Overflow`] map instead. A dead slot's value is a *tomb*
+//! (worker field all ones) carrying the grace ticket taken when it died.
 //!
-//! Invariants that make lock-free reads sound (all writers hold the shard's mutex):
-//! - A control byte only ever goes `EMPTY -> fingerprint`, published with `Release` after the
-//!   slot's key and value were written; so a reader that sees the byte sees the key.
-//! - A slot's key never changes once published. A tombstoned slot is only reused for a holder
-//!   of the *same* key; slots are recycled for other keys only by a rebuild into a new table.
-//!   So a reader that loads `val` and then `key` of a published slot never pairs a value with
-//!   another key's hash.
+//! Invariants that make lock-free reads sound (all writers hold the shard's mutex, and every
+//! reader is inside a grace read section, `grace.rs`):
+//! - A slot is born by writing its key and value, then its fingerprint control byte with
+//!   `Release`; so a reader that sees the byte sees the key and value.
+//! - A slot dies by its value becoming a tomb, then its control byte `DELETED`, then the tomb
+//!   taking a grace ticket (a read-modify-write after those writes). A dead slot is reborn for
+//!   any key, but only once more grace periods than its ticket have ended: every reader that
+//!   could have read its live value (entered before the period after the ticket) has left.
+//!   So a reader that loads a slot's `val` and then its `key` pairs them right: a slot changes
+//!   key at most once while a reader is inside (dead, then reborn), the value it can read
+//!   then is a tomb or the new value, and the new value was written after the new key.
 //! - A group's overflow count is raised before the slot that overflowed is published, so a
 //!   reader that sees the slot's control byte walked through to it.
-//! - A table never gets fuller than 7/8 (live + tombstones), and a group that still has an
-//!   `EMPTY` slot was never full, so its overflow count is 0: every probe ends.
+//! - A new slot takes the first group from its key's home with an `EMPTY` slot or a reusable
+//!   dead one (a dead one first), so a group with an `EMPTY` slot was never passed and its
+//!   overflow count is 0; the table never gets fuller than 7/8 (live and dead slots), so such
+//!   groups exist: every probe ends.
+//!
+//! Dead slots used to wait for the shard's next rebuild; reused, they made a quarter fewer
+//! rebuilds in the 128-worker Mooncake bench (761 a run, against 1,008 counted in an
+//! instrumented build), and lookups skip them by their control byte (`docs/benchmarks.md`).
 //!
 //! **Versions of crowded keys.** Each key has a version: one of the table's version counters
 //! (one per eight groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
@@ -47,8 +58,34 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
-/// The value of a removed holder. Never a live value: worker ids stop below 2^23 - 1.
-pub(super) const TOMB: u64 = u64::MAX;
+use super::grace::Grace;
+
+/// A dead slot's value (a *tomb*): the worker field all ones (never a live value: worker ids
+/// stop below 2^23 - 1), and in the low bits the grace ticket taken when it died
+/// ([`NEVER`] until then).
+const TOMB_MARK: u64 = 0x7f_ffff << 41;
+/// The ticket bits of a tomb.
+const TICKET: u64 = (1 << 41) - 1;
+/// The ticket of a tomb not reusable (yet).
+const NEVER: u64 = TICKET;
+
+/// True if `v` is a tomb.
+pub(super) const fn is_tomb(v: u64) -> bool {
+    v >> 41 == 0x7f_ffff
+}
+
+/// The tomb of a slot that died before grace ticket `ticket` was taken.
+const fn tomb(ticket: u64) -> u64 {
+    TOMB_MARK | (ticket & TICKET)
+}
+
+/// True if the tomb `v` may be reused for another key now that `ended` grace periods have
+/// ended: more than its ticket. Compared on the ticket's 41 bits: a tomb left unused for 2^40
+/// periods looks fresh again and is only rebuilt away.
+const fn ripe(v: u64, ended: u64) -> bool {
+    let t = v & TICKET;
+    t != NEVER && (ended.wrapping_sub(t) & TICKET).wrapping_sub(1) < 1 << 40
+}
 /// Mask of the `copies` field of a packed value.
 const COPIES: u64 = 0x3f;
 /// The `copies` field of a holder with 63 copies or more: the count is in the [`Overflow`].
@@ -67,6 +104,9 @@ const GROUP: usize = 7;
 /// Bit 7 of each slot control byte (bytes 0..7).
 const HI: u64 = 0x0080_8080_8080_8080;
 const LO: u64 = 0x0101_0101_0101_0101;
+/// The control byte of a dead slot (its value a tomb): bits 7 and 6 set, where an unused
+/// slot's (`EMPTY`, 0x80) has bit 6 clear and a fingerprint has bit 7 clear.
+const DELETED: u8 = 0xfe;
 /// Seven `EMPTY` control bytes, overflow count 0.
 const EMPTY_WORD: u64 = HI;
 const OVERFLOW_SHIFT: u32 = 56;
@@ -248,7 +288,7 @@ pub(super) struct Table {
 struct Counts {
     /// Live holders. Written only under the shard's mutex; atomic so stats can read it.
     live: AtomicUsize,
-    /// Tombstoned slots (still bound to their key).
+    /// Dead slots (reusable once their grace ticket has passed).
     tombs: AtomicUsize,
 }
 
@@ -309,16 +349,6 @@ impl Table {
         }
     }
 
-    /// The first group from `p`'s home with an `EMPTY` byte: where [`Table::place`] puts it.
-    fn free_group(&self, p: &Probe) -> usize {
-        let groups = self.ctrl.len();
-        let mut g = p.home(groups);
-        while self.ctrl[g].load(Ordering::Relaxed) & HI == 0 {
-            g = next_group(g, groups);
-        }
-        g
-    }
-
     /// True if `p`'s key has a live slot outside its home group. Caller holds the shard's
     /// mutex.
     fn spills(&self, p: &Probe) -> bool {
@@ -333,7 +363,7 @@ impl Table {
             while m != 0 {
                 let slot = &self.slots[g * GROUP + (m.trailing_zeros() / 8) as usize];
                 m &= m - 1;
-                if slot.val.load(Ordering::Relaxed) != TOMB && slot.key.load(Ordering::Relaxed) == p.hash {
+                if !is_tomb(slot.val.load(Ordering::Relaxed)) && slot.key.load(Ordering::Relaxed) == p.hash {
                     return true;
                 }
             }
@@ -377,7 +407,7 @@ impl Table {
                 let slot = &self.slots[g * GROUP + (m.trailing_zeros() / 8) as usize];
                 m &= m - 1;
                 let v = slot.val.load(Ordering::Acquire);
-                if v != TOMB && slot.key.load(Ordering::Relaxed) == p.hash {
+                if !is_tomb(v) && slot.key.load(Ordering::Relaxed) == p.hash {
                     f(v);
                 }
             }
@@ -391,16 +421,18 @@ impl Table {
     /// Calls `f(hash, value)` with every live slot. Lock-free, like [`Table::for_each`]: a slot
     /// written concurrently is seen before or after the write, never torn.
     pub fn for_each_entry(&self, mut f: impl FnMut(u64, u64)) {
-        for slot in self.published_slots() {
+        for i in self.published_slots() {
+            let slot = &self.slots[i];
             let v = slot.val.load(Ordering::Acquire);
-            if v != TOMB {
+            if !is_tomb(v) {
                 f(slot.key.load(Ordering::Relaxed), v);
             }
         }
     }
 
-    /// Every published slot (live or tombstoned), group by group.
-    fn published_slots(&self) -> impl Iterator<Item = &Slot> + '_ {
+    /// The indexes of every slot whose control byte is a fingerprint (live, or dying under a
+    /// writer), group by group.
+    fn published_slots(&self) -> impl Iterator<Item = usize> + '_ {
         self.ctrl.iter().enumerate().flat_map(move |(g, ctrl)| {
             let mut full = !ctrl.load(Ordering::Acquire) & HI;
             std::iter::from_fn(move || {
@@ -409,13 +441,15 @@ impl Table {
                 }
                 let i = g * GROUP + (full.trailing_zeros() / 8) as usize;
                 full &= full - 1;
-                Some(&self.slots[i])
+                Some(i)
             })
         })
     }
 
     /// Adds `copies` (> 0) to `holder` under `p.hash`. A new slot gets `entry()` as its entry
-    /// (called at most once, only when a slot is created). Caller holds the shard's mutex.
+    /// (called at most once, only when a slot is created), and takes the first slot from the
+    /// key's home group that is `EMPTY` or dead with a ticket below `ended` (the grace periods
+    /// ended; [`Table::kill`]). Caller holds the shard's mutex.
     pub fn add(
         &self,
         p: &Probe,
@@ -423,13 +457,13 @@ impl Table {
         copies: u32,
         entry: &mut dyn FnMut() -> u32,
         overflow: &Overflow,
+        ended: u64,
     ) -> Added {
         debug_assert!(copies > 0 && holder & !HOLDER == 0);
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
         let home = p.home(groups);
         let mut g = home;
-        let mut reuse: Option<usize> = None;
         // A live slot of the key outside its home group (the walk sees every slot of the key).
         let mut outside = false;
         loop {
@@ -443,8 +477,8 @@ impl Table {
                     continue;
                 }
                 let v = slot.val.load(Ordering::Relaxed);
-                if v == TOMB {
-                    reuse.get_or_insert(i);
+                if is_tomb(v) {
+                    continue;
                 } else if v & HOLDER != holder {
                     outside |= g != home;
                 } else {
@@ -460,24 +494,15 @@ impl Table {
             }
             g = next_group(g, groups);
         }
-        if reuse.is_none() && self.live() + self.tombs() + 1 > self.max_used() {
+        let (i, reused) = self.spot(p, ended);
+        if !reused && self.live() + self.tombs() + 1 > self.max_used() {
             return Added::Full;
         }
         let entry = entry();
         let v = holder | ((entry as u64) << ENTRY_SHIFT);
         let v = Self::fresh_copies(p.hash, v, copies, overflow);
-        // The walk saw every live slot of the key; the new one goes where `at` says.
-        let at = reuse.map_or_else(|| self.free_group(p), |i| i / GROUP);
-        self.change(p, outside || at != home, || match reuse {
-            Some(i) => {
-                self.slots[i].val.store(v, Ordering::Release);
-                self.counts.tombs.fetch_sub(1, Ordering::Relaxed);
-                self.counts.live.fetch_add(1, Ordering::Relaxed);
-            }
-            None => {
-                self.place(p, v, Ordering::Release);
-            }
-        });
+        // The walk saw every live slot of the key; the new one goes to group `i / GROUP`.
+        self.change(p, outside || i / GROUP != home, || self.put(p, v, i, reused, Ordering::Release));
         Added::Done { saturated: false, entry }
     }
 
@@ -507,35 +532,84 @@ impl Table {
         }
     }
 
-    /// Puts a new slot for `p.hash` in the first group from its home with an `EMPTY` byte,
-    /// raising the overflow count of every full group passed over first. Caller holds the
-    /// shard's mutex (or owns the table) and checked the load limit.
-    fn place(&self, p: &Probe, v: u64, publish: Ordering) {
+    /// Where a new slot for `p.hash` goes, and whether it is a dead one: in the first group
+    /// from its home with an `EMPTY` slot or a dead one whose ticket is below `ended`, a dead
+    /// one if there is one (so that dead slots are used up, and rebuilds stay rare), else the
+    /// `EMPTY` one. There is always an `EMPTY` slot: the table never gets fuller than 7/8,
+    /// dead slots included.
+    fn spot(&self, p: &Probe, ended: u64) -> (usize, bool) {
         let groups = self.ctrl.len();
         let mut g = p.home(groups);
         loop {
             let word = self.ctrl[g].load(Ordering::Relaxed);
-            let empties = word & HI;
-            if empties != 0 {
-                let byte = (empties.trailing_zeros() / 8) as usize;
-                let slot = &self.slots[g * GROUP + byte];
-                slot.key.store(p.hash, Ordering::Relaxed);
-                slot.val.store(v, Ordering::Relaxed);
-                let cleared = word & !(0xff << (8 * byte));
-                self.ctrl[g].store(cleared | ((p.fingerprint() as u64) << (8 * byte)), publish);
-                self.counts.live.fetch_add(1, Ordering::Relaxed);
-                return;
+            // `DELETED` bytes have bit 6 set, `EMPTY` ones do not.
+            let mut dead = word & HI & (word << 1);
+            while dead != 0 {
+                let i = g * GROUP + (dead.trailing_zeros() / 8) as usize;
+                dead &= dead - 1;
+                if ripe(self.slots[i].val.load(Ordering::Relaxed), ended) {
+                    return (i, true);
+                }
             }
-            if word >> OVERFLOW_SHIFT != 0xff {
-                self.ctrl[g].store(word + (1 << OVERFLOW_SHIFT), publish);
+            let empty = word & HI & !(word << 1);
+            if empty != 0 {
+                return (g * GROUP + (empty.trailing_zeros() / 8) as usize, false);
             }
             g = next_group(g, groups);
         }
     }
 
-    /// `holder`'s live slot of `p.hash`, its value, and whether it is outside the key's home
-    /// group, if any.
-    fn live_slot(&self, p: &Probe, holder: u64) -> Option<(&Slot, u64, bool)> {
+    /// Writes a new slot for `p.hash` with value `v` at slot `i` (from [`Table::spot`]):
+    /// raises the overflow count of every group passed on the way from its home, writes the
+    /// key and value, then publishes the control byte (`publish`). Caller holds the shard's
+    /// mutex (or owns the table) and checked the load limit.
+    fn put(&self, p: &Probe, v: u64, i: usize, reused: bool, publish: Ordering) {
+        let groups = self.ctrl.len();
+        let at = i / GROUP;
+        let mut g = p.home(groups);
+        while g != at {
+            let word = self.ctrl[g].load(Ordering::Relaxed);
+            if word >> OVERFLOW_SHIFT != 0xff {
+                self.ctrl[g].store(word + (1 << OVERFLOW_SHIFT), publish);
+            }
+            g = next_group(g, groups);
+        }
+        let slot = &self.slots[i];
+        slot.key.store(p.hash, Ordering::Relaxed);
+        slot.val.store(v, Ordering::Relaxed);
+        let byte = 8 * (i % GROUP);
+        let word = self.ctrl[at].load(Ordering::Relaxed);
+        self.ctrl[at].store((word & !(0xff << byte)) | ((p.fingerprint() as u64) << byte), publish);
+        self.counts.live.fetch_add(1, Ordering::Relaxed);
+        if reused {
+            self.counts.tombs.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Puts a new slot for `p.hash` into a table no lookup reads yet (a rebuild's).
+    fn place(&self, p: &Probe, v: u64) {
+        let (i, reused) = self.spot(p, 0);
+        self.put(p, v, i, reused, Ordering::Relaxed);
+    }
+
+    /// Kills the live slot `i`: its value becomes a tomb, its control byte `DELETED`, and the
+    /// tomb then takes a grace ticket, so that the slot is reused for another key only once
+    /// every lookup that could have read its live value has ended (module docs). Caller holds
+    /// the shard's mutex.
+    fn kill(&self, i: usize, grace: &Grace) {
+        let slot = &self.slots[i];
+        slot.val.store(tomb(NEVER), Ordering::Release);
+        let (g, byte) = (i / GROUP, 8 * (i % GROUP));
+        let word = self.ctrl[g].load(Ordering::Relaxed);
+        self.ctrl[g].store((word & !(0xff << byte)) | ((DELETED as u64) << byte), Ordering::Release);
+        slot.val.store(tomb(grace.ticket()), Ordering::Relaxed);
+        self.counts.live.fetch_sub(1, Ordering::Relaxed);
+        self.counts.tombs.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The index of `holder`'s live slot of `p.hash`, its value, and whether it is outside
+    /// the key's home group, if any.
+    fn live_slot(&self, p: &Probe, holder: u64) -> Option<(usize, u64, bool)> {
         let groups = self.ctrl.len();
         let fp = p.fingerprint();
         let mut g = p.home(groups);
@@ -543,11 +617,12 @@ impl Table {
             let word = self.ctrl[g].load(Ordering::Relaxed);
             let mut m = match_byte(word, fp);
             while m != 0 {
-                let slot = &self.slots[g * GROUP + (m.trailing_zeros() / 8) as usize];
+                let i = g * GROUP + (m.trailing_zeros() / 8) as usize;
+                let slot = &self.slots[i];
                 m &= m - 1;
                 let v = slot.val.load(Ordering::Relaxed);
-                if v != TOMB && v & HOLDER == holder && slot.key.load(Ordering::Relaxed) == p.hash {
-                    return Some((slot, v, g != p.home(groups)));
+                if !is_tomb(v) && v & HOLDER == holder && slot.key.load(Ordering::Relaxed) == p.hash {
+                    return Some((i, v, g != p.home(groups)));
                 }
             }
             if !overflowed(word) {
@@ -564,20 +639,16 @@ impl Table {
     }
 
     /// Takes one copy from `holder` under `p.hash`. Caller holds the shard's mutex.
-    pub fn sub(&self, p: &Probe, holder: u64, overflow: &Overflow) -> Subbed {
-        let Some((slot, v, outside)) = self.live_slot(p, holder) else {
+    pub fn sub(&self, p: &Probe, holder: u64, overflow: &Overflow, grace: &Grace) -> Subbed {
+        let Some((i, v, outside)) = self.live_slot(p, holder) else {
             return Subbed::Missing;
         };
         let copies = overflow.copies(p.hash, v, None);
         if copies > 1 {
-            Self::set_copies(slot, p.hash, v, copies - 1, overflow);
+            Self::set_copies(&self.slots[i], p.hash, v, copies - 1, overflow);
             return Subbed::Taken;
         }
-        self.change(p, outside || self.spills(p), || {
-            slot.val.store(TOMB, Ordering::Release);
-            self.counts.live.fetch_sub(1, Ordering::Relaxed);
-            self.counts.tombs.fetch_add(1, Ordering::Relaxed);
-        });
+        self.change(p, outside || self.spills(p), || self.kill(i, grace));
         Subbed::Died { entry: entry_of(v) }
     }
 
@@ -585,22 +656,23 @@ impl Table {
     /// such slot. Caller holds the shard's mutex.
     pub fn move_entry(&self, p: &Probe, holder: u64, old: u32, entry: u32) -> bool {
         match self.live_slot(p, holder) {
-            Some((slot, v, _)) if entry_of(v) == old => {
+            Some((i, v, _)) if entry_of(v) == old => {
                 // Not a change of the key's holders: kept candidates hold no entries.
-                slot.val.store((v & !ENTRY) | ((entry as u64) << ENTRY_SHIFT), Ordering::Release);
+                self.slots[i].val.store((v & !ENTRY) | ((entry as u64) << ENTRY_SHIFT), Ordering::Release);
                 true
             }
             _ => false,
         }
     }
 
-    /// Tombstones every live value for which `drop` is true; returns how many. Caller holds
+    /// Kills every live slot whose value `drop` is true of; returns how many. Caller holds
     /// the shard's mutex.
-    pub fn remove_where(&self, mut drop: impl FnMut(u64) -> bool, overflow: &Overflow) -> usize {
+    pub fn remove_where(&self, mut drop: impl FnMut(u64) -> bool, overflow: &Overflow, grace: &Grace) -> usize {
         let mut removed = 0;
-        for slot in self.published_slots() {
+        for i in self.published_slots() {
+            let slot = &self.slots[i];
             let v = slot.val.load(Ordering::Relaxed);
-            if v != TOMB && drop(v) {
+            if !is_tomb(v) && drop(v) {
                 let key = slot.key.load(Ordering::Relaxed);
                 if Overflow::is_many(v) {
                     overflow.lock().remove(&(key, v & HOLDER));
@@ -609,14 +681,10 @@ impl Table {
                 // counts as crowded (a superset: as sound, and this scan is rare).
                 let p = Probe::new(key);
                 let home = p.home(self.ctrl.len());
-                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || {
-                    slot.val.store(TOMB, Ordering::Release);
-                });
+                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || self.kill(i, grace));
                 removed += 1;
             }
         }
-        self.counts.live.fetch_sub(removed, Ordering::Relaxed);
-        self.counts.tombs.fetch_add(removed, Ordering::Relaxed);
         removed
     }
 
@@ -631,7 +699,7 @@ impl Table {
     pub fn rebuilt(&self, extra: usize) -> Table {
         let live = self.live();
         let next = Table::for_entries(live + extra);
-        self.for_each_entry(|key, v| next.place(&Probe::new(key), v, Ordering::Relaxed));
+        self.for_each_entry(|key, v| next.place(&Probe::new(key), v));
         debug_assert_eq!(next.live(), live);
         next
     }
@@ -661,7 +729,7 @@ mod tests {
         let t = Table::for_entries(1000);
         let o = Overflow::default();
         for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1, &mut || 7, &o), Added::Done { .. }));
+            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1, &mut || 7, &o, 0), Added::Done { .. }));
         }
         // Some groups filled up and overflowed; every key is still found, exactly once.
         let overflowing = t.ctrl.iter().filter(|w| overflowed(w.load(Ordering::Relaxed))).count();
@@ -685,7 +753,7 @@ mod tests {
         let h = holder(1, 0, 2);
         let o = Overflow::default();
         let mut n = 0u64;
-        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1, &mut || n as u32, &o) {
+        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1, &mut || n as u32, &o, 0) {
             n += 1;
         }
         assert_eq!(t.live() as u64, n);
@@ -696,6 +764,49 @@ mod tests {
             let mut seen = vec![];
             r.for_each(&Probe::new(k), |v| seen.push(v));
             assert_eq!(seen, vec![h | (k << ENTRY_SHIFT) | 1]);
+        }
+    }
+
+    #[test]
+    fn a_dead_slot_is_reused_for_another_key_only_once_its_grace_ticket_has_passed() {
+        // Two groups, 14 slots, at most 13 used (dead ones included).
+        let t = Table::for_entries(0);
+        let (o, g) = (Overflow::default(), Grace::default());
+        let h = holder(3, 0, 0);
+        let count = |t: &Table, k: u64| {
+            let mut n = 0;
+            t.for_each(&Probe::new(k), |_| n += 1);
+            n
+        };
+        for k in 0..13u64 {
+            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
+        }
+        for k in 0..5u64 {
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
+            assert_eq!(count(&t, k), 0);
+        }
+        assert_eq!((t.live(), t.tombs()), (8, 5));
+        // Their ticket (0) has not passed: a new key finds no room.
+        assert_eq!(t.add(&Probe::new(100), h, 1, &mut || 100, &o, g.periods_ended()), Added::Full);
+        // One grace period (start, second flip, end) passes it: five new keys take the dead
+        // slots, and the sixth finds no room again.
+        for _ in 0..3 {
+            g.advance();
+        }
+        assert_eq!(g.periods_ended(), 1);
+        for k in 100..105u64 {
+            assert_eq!(
+                t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 1),
+                Added::Done { saturated: false, entry: k as u32 }
+            );
+        }
+        assert_eq!((t.live(), t.tombs()), (13, 0));
+        assert_eq!(t.add(&Probe::new(105), h, 1, &mut || 105, &o, 1), Added::Full);
+        for k in (0..5).chain(105..106) {
+            assert_eq!(count(&t, k), 0, "key {k}");
+        }
+        for k in (5..13).chain(100..105) {
+            assert_eq!(count(&t, k), 1, "key {k}");
         }
     }
 }
