@@ -476,6 +476,11 @@ fn tier_runs(mut tiers: u64, blocks: u32) -> impl Iterator<Item = TierRun> {
     })
 }
 
+thread_local! {
+    /// This thread's removals that took a copy, to pace [`Grace::advance`] (any index).
+    static REMOVALS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -667,8 +672,9 @@ impl PrefixIndex {
         if out.missing > 0 {
             self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
         }
-        // Dead slots are reused once a grace period passes: move the periods on.
-        if out.removed > 0 {
+        // Dead slots are reused once a grace period passes: move the periods on, every 16th
+        // removal of this thread (each step reads every reader's counter line).
+        if out.removed > 0 && REMOVALS.with(|n| n.replace(n.get().wrapping_add(1)) % 16 == 0) {
             self.grace.advance();
         }
         out
