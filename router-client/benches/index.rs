@@ -17,7 +17,8 @@
 //! trace of the same shape when absent), `--reference` (add the reference with Dynamo on),
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
 //! stream applied `--runs` times with its rate and no lookups, then lookups over the final
-//! index `--runs` times, with percentiles by match depth; for profiling).
+//! index `--lookup-runs` times (default `--runs`), with percentiles by match depth; for
+//! profiling).
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
@@ -519,6 +520,7 @@ struct Opts {
     trace: Option<PathBuf>,
     reference: bool,
     only: Option<String>,
+    lookup_runs: Option<usize>,
 }
 
 impl Opts {
@@ -547,6 +549,7 @@ impl Opts {
                 }),
             reference: args.iter().any(|a| a == "--reference") || !cfg!(feature = "dynamo-bench"),
             only: val("--only"),
+            lookup_runs: val("--lookup-runs").and_then(|v| v.parse().ok()),
         }
     }
 }
@@ -559,11 +562,11 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// `--analyze`: the index alone, on one thread. The whole stream is applied `reps` times (each
-/// into a new index, timed: the apply rate with no lookups), then the lookups run `reps` times
+/// into a new index, timed: the apply rate with no lookups), then the lookups run `lookup_reps` times
 /// over the last index, with no writer beside them: latency
 /// percentiles (each with the lookup's length, deepest match, workers matched and (worker,
 /// block) pairs matched), and mean latency by depth of the deepest match. For profiling.
-fn analyze(w: &Workload, reps: usize) {
+fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
     // The stream applied `reps` times, each into a new index (the last one is looked up).
     let mut rates = Vec::new();
     let mut index = PrefixIndex::new(IndexConfig::default());
@@ -587,7 +590,7 @@ fn analyze(w: &Workload, reps: usize) {
     // (ns, request length, deepest match, workers, matched (worker, block) pairs)
     let mut rows: Vec<(u64, usize, u32, usize, u64)> = Vec::new();
     let mut r = LookupResult::default();
-    for _ in 0..reps {
+    for _ in 0..lookup_reps {
         for q in &w.lookups {
             let t0 = Instant::now();
             index.lookup_into(q, &mut r);
@@ -649,7 +652,7 @@ fn main() {
             let copies = o.copies.unwrap_or((workers / 2).max(4));
             let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);
             println!("{workers} workers, {copies} copies: the index alone, one thread, {} run(s)", o.runs);
-            analyze(&w, o.runs);
+            analyze(&w, o.runs, o.lookup_runs.unwrap_or(o.runs));
         }
         return;
     }
