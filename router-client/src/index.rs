@@ -79,11 +79,12 @@
 //! and reused after a grace period (so no lookup reads a page that changed owner under it);
 //! a page left a sixteenth full by removals is compacted (its live entries move, in order, to
 //! the holder's current page), and one left a quarter full too when the pages in use are
-//! less than half full, so page slack stays bounded. Cost: 8 bytes per (holder, block) plus page slack, and 48
-//! bytes per page of 64 entries (its valid word, stamp and links). Compaction costs a probe
-//! per moved entry and leaves links into the moved entries stale, and in a cache's churn the
-//! pages it would empty mostly empty themselves: compacting every quarter-full page made the
-//! 128-worker Mooncake bench's writes slower and used more pages (`docs/benchmarks.md`).
+//! less than half full, so page slack stays bounded. Cost: 8 bytes per (holder, block) plus
+//! page slack, and 48 bytes per page of 64 entries (its valid word, stamp and links).
+//! Compaction costs a probe per moved entry and leaves links into the moved entries stale,
+//! and in a cache's churn the pages it would empty mostly empty themselves: compacting every
+//! quarter-full page made the 128-worker Mooncake bench's writes slower and used more pages
+//! (`docs/benchmarks.md`).
 //!
 //! **Crowded first blocks.** A system prompt's first block is held by every worker, so a
 //! lookup starting with it makes a candidate per worker (hundreds) before block 1 drops most
@@ -137,7 +138,7 @@
 //! - Dead slots wait a grace period before reuse; until then, and those that no insert
 //!   reaches, they cost room until the shard's next rebuild (lookups skip them by their
 //!   control byte). A removal takes a grace ticket (one atomic read-modify-write) per slot
-//!   that dies, and moves the grace periods on once per call.
+//!   that dies, and a thread moves the grace periods on at every 16th removal.
 //! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
 //! - Runs follow store order, not request order: a conversation whose turns were stored as
 //!   separate events is one run per turn, joined by links when the events came with their
@@ -660,7 +661,7 @@ impl PrefixIndex {
                     Subbed::Died { entry } => {
                         out.removed += 1;
                         if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry, &self.grace) {
-                            if runs::compact_now(left, self.pages_half_empty()) {
+                            if runs::compact_now(left, || self.pages_half_empty()) {
                                 self.compact(&mut cursors, holder, sparse);
                             }
                         }

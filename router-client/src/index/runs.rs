@@ -143,13 +143,14 @@ impl Page {
     }
 }
 
-/// Whether a page left with `left` valid entries (a quarter or less) is compacted, when the
-/// pages in use are `half_empty` or not: always at a sixteenth or less; at a quarter only when
-/// pages are half empty, so that page slack stays bounded. Compacting every quarter-full page
-/// cost a probe per moved entry and, in a cache's churn, used more pages, not fewer: the pages
-/// it would empty mostly empty themselves (`docs/benchmarks.md`).
-pub(super) fn compact_now(left: u32, half_empty: bool) -> bool {
-    left <= PAGE / 16 || (half_empty && left <= PAGE / 4)
+/// Whether a page left with `left` valid entries (a quarter or less) is compacted, given
+/// whether the pages in use are half empty (asked only when it matters): always at a
+/// sixteenth or less; at a quarter only when pages are half empty, so that page slack stays
+/// bounded. Compacting every quarter-full page cost a probe per moved entry and, in a cache's
+/// churn, used more pages, not fewer: the pages it would empty mostly empty themselves
+/// (`docs/benchmarks.md`).
+pub(super) fn compact_now(left: u32, half_empty: impl FnOnce() -> bool) -> bool {
+    left <= PAGE / 16 || (left <= PAGE / 4 && half_empty())
 }
 
 /// Where a holder appends: its current page and how many entries of it are used.
