@@ -216,8 +216,7 @@ pub fn prometheus_text(f: &Follower) -> String {
         ("skipped_events", "Events skipped (unspecified tier, unknown kind).", c.skipped_events),
     ];
     for (name, help, v) in counters {
-        let _ = writeln!(out, "# HELP kv_router_{name}_total {help}\n# TYPE kv_router_{name}_total counter");
-        let _ = writeln!(out, "kv_router_{name}_total {v}");
+        write_counter(&mut out, &format!("kv_router_{name}_total"), help, v);
     }
     let workers = f.workers();
     let _ = writeln!(out, "# HELP kv_router_workers Workers by state.\n# TYPE kv_router_workers gauge");
@@ -247,7 +246,25 @@ pub fn prometheus_text(f: &Follower) -> String {
     let _ = writeln!(out, "# TYPE kv_router_index_blocks gauge\nkv_router_index_blocks {}", stats.blocks);
     let _ = writeln!(out, "# HELP kv_router_index_bytes Memory the prefix index holds.");
     let _ = writeln!(out, "# TYPE kv_router_index_bytes gauge\nkv_router_index_bytes {}", f.index().memory_bytes());
+    let _ = writeln!(out, "# HELP kv_router_index_dead_slots Dead table slots, reused after a grace period.");
+    let _ = writeln!(out, "# TYPE kv_router_index_dead_slots gauge\nkv_router_index_dead_slots {}", stats.tombstones);
+    let index_counters: [(&str, &str, u64); 2] = [
+        (
+            "missing_removes",
+            "Removed blocks the index did not hold (no-ops: the index and the events disagree).",
+            stats.missing_removes,
+        ),
+        ("rebuilds", "Shard tables rebuilt.", stats.rebuilds),
+    ];
+    for (name, help, v) in index_counters {
+        write_counter(&mut out, &format!("kv_router_index_{name}_total"), help, v);
+    }
     out
+}
+
+/// One counter in the Prometheus text format.
+fn write_counter(out: &mut String, name: &str, help: &str, v: u64) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
 }
 
 /// The HTTP routes over a follower.

@@ -608,6 +608,12 @@ async fn router_http_api_answers_exactly_over_two_relays() {
     assert_eq!(status, 200);
     assert!(text.contains(&format!("kv_router_records_applied_total {}\n", rec1.len() + rec2.len())), "{text}");
     assert!(text.contains("kv_router_workers{state=\"fresh\"} 3\n"), "{text}");
+    let stats = index.stats();
+    assert!(text.contains(&format!("kv_router_index_blocks {}\n", stats.blocks)), "{text}");
+    assert!(text.contains("kv_router_index_missing_removes_total 0\n"), "{text}");
+    assert!(text.contains(&format!("kv_router_index_rebuilds_total {}\n", stats.rebuilds)), "{text}");
+    assert!(text.contains(&format!("kv_router_index_dead_slots {}\n", stats.tombstones)), "{text}");
+    assert!(stats.rebuilds > 0, "the tables grew from empty: {stats:?}");
 
     // Removing a relay drops its workers from the answers and the index.
     f.remove_relay(&r2.url()).unwrap();
