@@ -562,10 +562,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 /// `--analyze`: the index alone, on one thread. The whole stream is applied `reps` times (each
-/// into a new index, timed: the apply rate with no lookups), then the lookups run `lookup_reps` times
-/// over the last index, with no writer beside them: latency
-/// percentiles (each with the lookup's length, deepest match, workers matched and (worker,
-/// block) pairs matched), and mean latency by depth of the deepest match. For profiling.
+/// into a new index, timed: the apply rate with no lookups), then the lookups run
+/// `lookup_reps` times over the last index, with no writer beside them: latency percentiles
+/// (each with the lookup's length, deepest match, workers matched and (worker, block) pairs
+/// matched), and mean latency by depth of the deepest match. For profiling.
 fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
     // The stream applied `reps` times, each into a new index (the last one is looked up).
     let mut rates = Vec::new();

@@ -9,13 +9,13 @@
 //!
 //! Writers that must not wait (those reclaiming run pages and table slots) use *numbered*
 //! grace periods instead: something retired takes a [`Grace::ticket`] after the writes that
-//! retire it, and may be reused once [`Grace::periods_ended`] is greater than the ticket. The periods are moved on by
-//! [`Grace::advance`], which never waits: each call starts a period, or takes its next flip,
-//! or ends it, when the readers it waits for have drained. Ticket `t` is the number of
-//! periods started when it was taken; period `t + 1` starts after it (its counter increment
-//! reads the ticket's read-modify-write, so the retiring writes happen before its flips), so
-//! every reader that could still see the retired thing entered before that period's second
-//! flip, and has left when the period ends.
+//! retire it, and may be reused once [`Grace::periods_ended`] is greater than the ticket. The
+//! periods are moved on by [`Grace::advance`], which never waits: each call starts a period,
+//! or takes its next flip, or ends it, when the readers it waits for have drained. Ticket `t`
+//! is the number of periods started when it was taken; period `t + 1` starts after it (its
+//! counter increment reads the ticket's read-modify-write, so the retiring writes happen
+//! before its flips), so every reader that could still see the retired thing entered before
+//! that period's second flip, and has left when the period ends.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, TryLockError};
@@ -96,8 +96,8 @@ impl Grace {
     }
 
     /// A ticket for something retired by this thread's writes before this call: it may be
-    /// reused once [`Grace::periods_ended`] is greater than the ticket. A read-modify-write, so that the
-    /// period that makes it pass starts after those writes (module docs).
+    /// reused once [`Grace::periods_ended`] is greater than the ticket. A read-modify-write,
+    /// so that the period that makes it pass starts after those writes (module docs).
     pub fn ticket(&self) -> u64 {
         self.started.fetch_add(0, Ordering::SeqCst)
     }
