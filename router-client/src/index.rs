@@ -237,6 +237,21 @@ pub struct IndexStats {
 #[repr(align(64))]
 struct ShardLock(Mutex<Arc<Table>>);
 
+/// A value alone on its two cache lines (the adjacent-line prefetcher fetches lines in pairs):
+/// for words writers change often, kept away from the words every lookup reads. A write to a
+/// line a lookup reads costs that lookup a miss, and the first one of a lookup sits before
+/// its grace counter's read-modify-write, which waits for it.
+#[repr(align(128))]
+#[derive(Default)]
+struct Padded<T>(T);
+
+impl<T> std::ops::Deref for Padded<T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
 /// The shards' tables, published together so a lookup loads them with one `ArcSwap` load.
 type Tables = Box<[Arc<Table>]>;
 

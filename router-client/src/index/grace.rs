@@ -21,6 +21,8 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError, TryLockError};
 use std::time::Duration;
 
+use super::Padded;
+
 const STRIPES: usize = 16;
 
 #[repr(align(128))]
@@ -30,8 +32,16 @@ struct Stripe {
 }
 
 pub(super) struct Grace {
-    epoch: AtomicUsize,
+    /// Read by every lookup; written only by flips. Alone on its lines: writers take a ticket
+    /// (a read-modify-write of `started`) for every slot that dies.
+    epoch: Padded<AtomicUsize>,
     stripes: Box<[Stripe]>,
+    writers: Padded<Writers>,
+}
+
+/// The writers' side of [`Grace`].
+#[derive(Default)]
+struct Writers {
     /// Serialises the flips (the two-counter scheme allows one grace period at a time): a
     /// `synchronize`'s two, and the steps of the numbered period under way, if any.
     writer: Mutex<Option<Step>>,
@@ -70,11 +80,9 @@ fn stripe_of_thread() -> usize {
 impl Default for Grace {
     fn default() -> Self {
         Self {
-            epoch: AtomicUsize::new(0),
+            epoch: Padded::default(),
             stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
-            writer: Mutex::new(None),
-            started: AtomicU64::new(0),
-            ended: AtomicU64::new(0),
+            writers: Padded::default(),
         }
     }
 }
@@ -99,34 +107,34 @@ impl Grace {
     /// reused once [`Grace::periods_ended`] is greater than the ticket. A read-modify-write,
     /// so that the period that makes it pass starts after those writes (module docs).
     pub fn ticket(&self) -> u64 {
-        self.started.fetch_add(0, Ordering::SeqCst)
+        self.writers.started.fetch_add(0, Ordering::SeqCst)
     }
 
     /// The number of numbered periods ended so far: a ticket `t` has passed once this is
     /// greater than `t`.
     pub fn periods_ended(&self) -> u64 {
-        self.ended.load(Ordering::SeqCst)
+        self.writers.ended.load(Ordering::SeqCst)
     }
 
     /// Moves the numbered periods on without waiting (module docs): starts one if none is
     /// under way, takes the next flip or ends it if the readers it waits for have drained.
     /// Does nothing while another writer holds the flips (a [`Grace::synchronize`]).
     pub fn advance(&self) {
-        let mut step = match self.writer.try_lock() {
+        let mut step = match self.writers.writer.try_lock() {
             Ok(step) => step,
             Err(TryLockError::Poisoned(e)) => e.into_inner(),
             Err(TryLockError::WouldBlock) => return,
         };
         *step = match *step {
             None => {
-                self.started.fetch_add(1, Ordering::SeqCst);
+                self.writers.started.fetch_add(1, Ordering::SeqCst);
                 Some(Step { parity: self.epoch.fetch_add(1, Ordering::SeqCst) & 1, second: false })
             }
             Some(Step { parity, second: false }) if self.ended(parity) => {
                 Some(Step { parity: self.epoch.fetch_add(1, Ordering::SeqCst) & 1, second: true })
             }
             Some(Step { parity, second: true }) if self.ended(parity) => {
-                self.ended.store(self.started.load(Ordering::SeqCst), Ordering::SeqCst);
+                self.writers.ended.store(self.writers.started.load(Ordering::SeqCst), Ordering::SeqCst);
                 None
             }
             waiting => waiting,
@@ -145,7 +153,7 @@ impl Grace {
     /// Waits until every read-side section entered before this call has ended. Concurrent
     /// callers take turns.
     pub fn synchronize(&self) {
-        let _one = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
+        let _one = self.writers.writer.lock().unwrap_or_else(PoisonError::into_inner);
         // Two flips: readers that entered before this call are on either parity (a numbered
         // period may have flipped without waiting), and each flip drains one.
         for _ in 0..2 {

@@ -39,6 +39,7 @@ use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use super::grace::Grace;
 use super::table;
+use super::Padded;
 
 /// Entries per page: one `valid` word covers a page.
 pub(super) const PAGE: u32 = 64;
@@ -200,7 +201,9 @@ const NO_PAGE: u32 = u32::MAX;
 pub(super) struct Runs {
     /// Fixed directory of lazily allocated chunks, so lookups read pages without a lock.
     chunks: Box<[OnceLock<Box<[Page]>>]>,
-    state: Mutex<PoolState>,
+    /// Locked at every page handed out or freed; apart from `chunks`, which lookups read at
+    /// every page.
+    state: Padded<Mutex<PoolState>>,
     cursors: Box<[Mutex<Cursors>]>,
 }
 
@@ -212,7 +215,7 @@ impl Default for Runs {
     fn default() -> Self {
         Self {
             chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
-            state: Mutex::default(),
+            state: Padded::default(),
             cursors: (0..STRIPES).map(|_| Mutex::default()).collect(),
         }
     }
