@@ -827,6 +827,7 @@ impl PrefixIndex {
             // and unchanged, else from the table. Block 1 is probed with it (their misses
             // overlap): unless one pair holds block 0, block 1 is where most candidates drop out.
             let n = hashes.len();
+            Self::touch_request(hashes);
             let first = Probe::new(hashes[0]);
             let table = &tables[first.shard(self.shard_mask)];
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
@@ -908,6 +909,18 @@ impl PrefixIndex {
             }
             Self::emit(n as u32, s, out);
         });
+    }
+
+    /// Loads the cache lines of a request's hashes (past the first, which the lookup reads at
+    /// once), so that when they are not in cache their misses overlap, instead of coming one
+    /// after another as the lookup reaches them: a router may look up hashes it computed a
+    /// while before. Called after the lookup's read-modify-writes, which would wait for them.
+    fn touch_request(hashes: &[u64]) {
+        let mut sink = hashes[hashes.len() - 1];
+        for h in hashes.iter().step_by(8).skip(1) {
+            sink ^= *h;
+        }
+        std::hint::black_box(sink);
     }
 
     /// Follows every alive (candidate, tier) through its holder's runs: the number of blocks
