@@ -155,9 +155,9 @@
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
-//!   (about 70 bytes per holder: its candidate, 48, and its entry of the prebuilt result),
-//!   and each slot born or dead under a key with a slot
-//!   outside its home group two atomic increments (and a removal of a key homed in an
+//!   (about 70 to 85 bytes per holder: its candidate, 48, its entry of the prebuilt result,
+//!   and up to 16 to find it by worker id), and each slot born or dead under a key with a
+//!   slot outside its home group two atomic increments (and a removal of a key homed in an
 //!   overflowed group a walk of its groups, to tell). A version counter is shared by the keys
 //!   of its stripe, so another key's change can raise it: the candidates are then rebuilt,
 //!   never wrong.
@@ -348,6 +348,9 @@ struct Candidate {
     ended: u32,
 }
 
+/// Not a candidate (see `Memo::by_worker`).
+const NO_CANDIDATE: u32 = u32::MAX;
+
 /// The end of a candidate's list of ended runs.
 const NO_RUN: u32 = u32::MAX;
 
@@ -391,6 +394,11 @@ struct Scratch {
 struct Memo {
     at: (u64, u64, u64),
     candidates: Vec<Candidate>,
+    /// By worker id: the worker's index in `candidates` (`NO_CANDIDATE` if none); empty when
+    /// the ids are sparse (then a binary search of `candidates` finds them). A lookup finds
+    /// each holder of block 1 among block 0's candidates: with hundreds of candidates, binary
+    /// searches were a fifth of a deep lookup's instructions.
+    by_worker: Vec<u32>,
     /// The result if every candidate's match ends at block 1: a lookup copies it, then writes
     /// over the few candidates that go on (each tier that holds block 0 has a run of at least
     /// 1, so their entries keep their size).
@@ -414,6 +422,16 @@ impl Scratch {
         m.at = at;
         m.candidates.clear();
         m.candidates.extend_from_slice(&self.candidates);
+        m.by_worker.clear();
+        // Only when the workers' ids are dense enough to cost at most 16 bytes per candidate
+        // (ids are interned in order, so the holders of a popular block usually are).
+        let top = self.candidates.last().map_or(0, |c| c.worker as usize + 1);
+        if top <= 4 * self.candidates.len() {
+            m.by_worker.resize(top, NO_CANDIDATE);
+            for (k, c) in self.candidates.iter().enumerate() {
+                m.by_worker[c.worker as usize] = k as u32;
+            }
+        }
         m.result.clear();
         for c in &self.candidates {
             let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
@@ -845,7 +863,12 @@ impl PrefixIndex {
                 out.clone_from(&m.result);
                 for &v in holders.iter() {
                     let worker = table::worker_of(v);
-                    if let Ok(k) = m.candidates.binary_search_by_key(&worker, |c| c.worker) {
+                    let k = if m.by_worker.is_empty() {
+                        m.candidates.binary_search_by_key(&worker, |c| c.worker).ok()
+                    } else {
+                        m.by_worker.get(worker as usize).filter(|&&k| k != NO_CANDIDATE).map(|&k| k as usize)
+                    };
+                    if let Some(k) = k {
                         candidates.push(m.candidates[k]);
                     }
                 }

@@ -129,3 +129,27 @@ fn kept_candidates_of_a_block_with_eight_holders_follow_changes() {
     let r = p.lookup(&s);
     assert_eq!((r.len(), r.blocks(w(50)), r.get(w(3)).unwrap().tier(TierId::HOST)), (9, 3, 1));
 }
+
+/// A lookup finds block 1's holders among the kept candidates by a table indexed by worker id
+/// when the ids are dense (the other tests), and by a binary search when they are sparse, as
+/// here: both give the reference's answer.
+#[test]
+fn kept_candidates_of_workers_with_sparse_ids_follow_changes() {
+    let mut p = pair();
+    let s = seq(5, 4);
+    let ids: Vec<u32> = (0..12u32).map(|k| 1_000 * k + 7).collect();
+    for (k, &id) in ids.iter().enumerate() {
+        p.store(w(id), TierId::DEVICE, &s[..1 + k % 4]);
+    }
+    let blocks = |p: &Pair| p.lookup(&s).iter().map(|m| (m.worker.get(), m.blocks)).collect::<Vec<_>>();
+    let want: Vec<(u32, u32)> = ids.iter().enumerate().map(|(k, &id)| (id, 1 + (k % 4) as u32)).collect();
+    // Twice: the second lookup starts from the kept candidates.
+    assert_eq!(blocks(&p), want);
+    assert_eq!(blocks(&p), want);
+    // A holder with a lower id than all: the candidates are kept again, and reused.
+    p.store(w(3), TierId::DEVICE, &s);
+    let mut want = want;
+    want.insert(0, (3, 4));
+    assert_eq!(blocks(&p), want);
+    assert_eq!(blocks(&p), want);
+}
