@@ -845,6 +845,12 @@ impl PrefixIndex {
             // and unchanged, else from the table. Block 1 is probed with it (their misses
             // overlap): unless one pair holds block 0, block 1 is where most candidates drop out.
             let n = hashes.len();
+            // The first loads: block 1's home group (every lookup of more than one block probes
+            // it), then the request's lines, so that the probe's misses do not queue behind
+            // those of a long request.
+            if n > 1 {
+                Self::touch(&tables, self.shard_mask, &[Probe::new(hashes[1])]);
+            }
             Self::touch_request(hashes);
             let first = Probe::new(hashes[0]);
             let table = &tables[first.shard(self.shard_mask)];
