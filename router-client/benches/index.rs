@@ -18,7 +18,8 @@
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
 //! stream applied `--runs` times with its rate and no lookups, then lookups over the final
 //! index `--lookup-runs` times (default `--runs`), with percentiles by match depth; for
-//! profiling).
+//! profiling; with `--resync`, also every worker's final state swapped into new indexes by
+//! `replace_worker`, without and with the blocks' parents, and the lookups over both).
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
@@ -52,7 +53,7 @@ use std::time::{Duration, Instant};
 
 use cap::Cap;
 use kv_router_client::index::reference::ReferenceIndex;
-use kv_router_client::index::{IndexConfig, LookupResult, PrefixIndex, TierId, WorkerId};
+use kv_router_client::index::{IndexConfig, LookupResult, PrefixIndex, StagedSnapshot, TierId, WorkerId};
 
 #[global_allocator]
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
@@ -94,6 +95,10 @@ struct Workload {
     distinct: usize,
     /// Live (worker, hash) pairs at the end.
     pairs: usize,
+    /// Each worker's blocks at the end, sorted by hash (as a store keyed by hash lists them).
+    held: Vec<Vec<u64>>,
+    /// The block each stored block was stored after.
+    parents: HashMap<u64, u64>,
 }
 
 fn splitmix(x: u64) -> u64 {
@@ -201,6 +206,8 @@ fn simulate(
         lookups: Vec::new(),
         distinct: 0,
         pairs: 0,
+        held: Vec::new(),
+        parents: HashMap::new(),
     };
     let mut matched = vec![0usize; workers as usize];
     let all: u128 = if workers == 128 { u128::MAX } else { (1u128 << workers) - 1 };
@@ -250,6 +257,9 @@ fn simulate(
                 w.stores += stored.len();
                 w.block_ops += stored.len();
                 let parent = first_missing.checked_sub(1).map(|i| blocks[i]);
+                for d in first_missing.max(1)..blocks.len() {
+                    w.parents.insert(blocks[d], blocks[d - 1]);
+                }
                 w.ops.push(Op::Store { worker: chosen as u32, parent, hashes: stored });
             }
             let mut evicted = Vec::new();
@@ -274,6 +284,14 @@ fn simulate(
     }
     w.distinct = holders.len();
     w.pairs = caches.iter().map(|c| c.at.len()).sum();
+    w.held = caches
+        .iter()
+        .map(|c| {
+            let mut v: Vec<u64> = c.at.keys().copied().collect();
+            v.sort_unstable();
+            v
+        })
+        .collect();
     // Lookups: trace requests (any copy), spread over the trace.
     let served = (w.requests / copies as usize).max(1);
     w.lookups = (0..lookups as u64)
@@ -618,6 +636,69 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
         println!("  depth {d:>4}..{:<4} {c:>8} lookups, mean {} ns", d + 24, ns / c as u64);
     }
     println!("  {:?}, {} B", index.stats(), index.memory_bytes());
+    if std::env::args().any(|a| a == "--resync") {
+        resync(w, lookup_reps);
+    }
+}
+
+/// `--analyze --resync`: every worker's final state swapped into a new index by
+/// `replace_worker`, as a router resynced from relays' snapshots would hold it (blocks in hash
+/// order), once without the blocks' parents and once with them; then the same lookups over
+/// both, alternating passes, in this process.
+fn resync(w: &Workload, reps: usize) {
+    let snapshots = |with_parents: bool| -> Vec<StagedSnapshot> {
+        w.held
+            .iter()
+            .map(|held| {
+                let mut snap = StagedSnapshot::new();
+                for &h in held {
+                    let parent = if with_parents { w.parents.get(&h).copied() } else { None };
+                    snap.push_after(TierId::DEVICE, h, 1, parent);
+                }
+                snap
+            })
+            .collect()
+    };
+    let (without, with) = (snapshots(false), snapshots(true));
+    let build = |with_parents: bool| {
+        let index = PrefixIndex::new(IndexConfig::default());
+        let t0 = Instant::now();
+        for (k, snap) in if with_parents { &with } else { &without }.iter().enumerate() {
+            index.replace_worker(wid(k as u32), snap);
+        }
+        (index, t0.elapsed())
+    };
+    let (_, t0) = build(false);
+    let (_, t1) = build(true);
+    println!("  resync warm-up: {t0:.2?} without parents, {t1:.2?} with");
+    let (plain, t_plain) = build(false);
+    let (laid, t_laid) = build(true);
+    println!(
+        "  resync: {} workers' snapshots replaced in {t_plain:.2?} without parents, {t_laid:.2?} with",
+        w.held.len()
+    );
+    let mut lat: [Vec<u64>; 2] = [Vec::new(), Vec::new()];
+    let mut r = LookupResult::default();
+    for _ in 0..reps {
+        for (k, index) in [&plain, &laid].into_iter().enumerate() {
+            for q in &w.lookups {
+                let t0 = Instant::now();
+                index.lookup_into(q, &mut r);
+                lat[k].push(t0.elapsed().as_nanos() as u64);
+            }
+        }
+    }
+    for (k, name) in ["without parents", "with parents"].into_iter().enumerate() {
+        let v = &mut lat[k];
+        v.sort_unstable();
+        let mean = v.iter().sum::<u64>() / v.len().max(1) as u64;
+        println!(
+            "  resynced index, {name}: {} lookups, mean {mean} ns, p50 {:?}, p99 {:?}",
+            v.len(),
+            pct(v, 0.5),
+            pct(v, 0.99)
+        );
+    }
 }
 
 fn main() {

@@ -524,7 +524,7 @@ impl RelayAdmission {
                 skipped += 1;
                 continue;
             };
-            st.ranks.entry(b.dp_rank).or_default().push(tier, b.hash, b.copies.max(1));
+            st.ranks.entry(b.dp_rank).or_default().push_after(tier, b.hash, b.copies.max(1), b.parent);
             st.blocks += 1;
         }
         self.counters.skipped_events += skipped;

@@ -145,8 +145,11 @@
 //!   parent hash (else a probe per turn). A page's 8 link slots are shared by its entries: a
 //!   turn whose link was replaced costs a probe. Runs are followed for few pairs only: a
 //!   block held by many workers is still a probe, and its holders are spread over several
-//!   groups. A resync's snapshot is stored block by block in the snapshot's order, without
-//!   parents: until the worker's next events, its lookups probe more.
+//!   groups. A resync's snapshot is written chain by chain when its blocks come with their
+//!   parents ([`StagedSnapshot::push_after`], as a relay's snapshot gives them): each block
+//!   right after its parent, so the resynced worker's runs are whole conversations. Without
+//!   parents it is written in the snapshot's order, and until the worker's next events its
+//!   lookups probe a block at a time (`docs/benchmarks.md`, Resync layout).
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
 //!   free or compact a page (moving up to 4 entries, or up to 16 when pages are less than
 //!   half full, a probe each). Freed pages are
@@ -791,11 +794,21 @@ impl PrefixIndex {
         let _w = self.worker_lock(worker).write().unwrap_or_else(PoisonError::into_inner);
         let old_tag = self.gens.load(worker) & 1;
         let new_tag = old_tag ^ 1;
-        // 1. Stage under the new tag: lookups ignore it until the flip.
-        for &(tier, h, copies) in snapshot.entries() {
+        // 1. Stage under the new tag: lookups ignore it until the flip. Each staged chain in
+        // order, a block after its parent, so that the worker's blocks form runs as its
+        // events would have (joined by links where they do not follow in a page).
+        let entries = snapshot.entries();
+        let mut written = vec![table::NO_ENTRY; entries.len()];
+        for (i, parent) in snapshot.layout() {
+            let (tier, h, copies) = entries[i];
             if copies > 0 {
                 let holder = table::holder(worker.get(), new_tag, tier.get());
-                self.add(&Probe::new(h), holder, copies, &mut self.runs.lock(holder));
+                let mut cursors = self.runs.lock(holder);
+                let entry = self.add(&Probe::new(h), holder, copies, &mut cursors);
+                if let Some(p) = parent {
+                    self.runs.join(written[p], entry);
+                }
+                written[i] = entry;
             }
         }
         // 2. Flip. Lookups that read `swap_seq` before this store keep the old tag.

@@ -55,13 +55,32 @@ fn tier(rng: &mut StdRng) -> TierId {
     t(TIERS[rng.random_range(0..TIERS.len())])
 }
 
+/// A worker's new state: runs of requests' blocks, mostly with the parents they were stored
+/// after (as a relay's snapshot gives them), sometimes without or with a wrong one, in order
+/// or shuffled, so that the replace lays chains out every way.
 fn snapshot(rng: &mut StdRng) -> StagedSnapshot {
-    let mut snap = StagedSnapshot::new();
+    let mut staged: Vec<(TierId, u64, u32, Option<u64>)> = Vec::new();
     for _ in 0..rng.random_range(0..6) {
         let tier = tier(rng);
-        for h in blocks(rng) {
-            snap.push(tier, h, rng.random_range(0..3));
+        let (mut parent, hashes) = chained(rng);
+        for h in hashes {
+            let given = match rng.random_range(0..8) {
+                0 => None,
+                1 => Some(rng.random_range(0..1u64 << 20)),
+                _ => parent,
+            };
+            staged.push((tier, h, rng.random_range(0..3), given));
+            parent = Some(h);
         }
+    }
+    if rng.random_bool(0.5) {
+        for i in (1..staged.len()).rev() {
+            staged.swap(i, rng.random_range(0..=i));
+        }
+    }
+    let mut snap = StagedSnapshot::new();
+    for (tier, h, copies, parent) in staged {
+        snap.push_after(tier, h, copies, parent);
     }
     snap
 }
