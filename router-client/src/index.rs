@@ -235,10 +235,9 @@ pub struct IndexStats {
 }
 
 /// One shard's writer lock, holding the shard's current table (the one also published in
-/// `tables`) so writers need no `ArcSwap` load. Alone on its cache line so writers of
+/// `tables`) so writers need no `ArcSwap` load. Alone on its cache lines so writers of
 /// different shards do not contend. Lookups never take it.
-#[repr(align(64))]
-struct ShardLock(Mutex<Arc<Table>>);
+type ShardLock = Padded<Mutex<Arc<Table>>>;
 
 /// A value alone on its two cache lines (the adjacent-line prefetcher fetches lines in pairs):
 /// for words writers change often, kept away from the words every lookup reads. A write to a
@@ -529,7 +528,7 @@ impl PrefixIndex {
         let per_shard = config.initial_capacity / n;
         let tables: Tables = (0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect();
         Self {
-            shard_locks: tables.iter().map(|t| ShardLock(Mutex::new(t.clone()))).collect(),
+            shard_locks: tables.iter().map(|t| Padded(Mutex::new(t.clone()))).collect(),
             tables: ArcSwap::from_pointee(tables),
             publish: Mutex::new(()),
             shard_mask: n - 1,

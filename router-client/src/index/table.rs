@@ -59,6 +59,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::grace::Grace;
+use super::Padded;
 
 /// A dead slot's value (a *tomb*): the worker field all ones (never a live value: worker ids
 /// stop below 2^23 - 1), and in the low bits the grace ticket taken when it died
@@ -279,12 +280,12 @@ pub(super) struct Table {
     versions: Box<[AtomicU64]>,
     ctrl: Box<[AtomicU64]>,
     slots: Box<[Slot]>,
-    counts: Counts,
+    counts: Padded<Counts>,
 }
 
-/// A table's counts, written at every slot born or dead, on a cache line of their own: beside
+/// A table's counts, written at every slot born or dead, on cache lines of their own: beside
 /// the table's pointers, which every probe reads, each write took the line from lookups.
-#[repr(align(64))]
+#[derive(Default)]
 struct Counts {
     /// Live holders. Written only under the shard's mutex; atomic so stats can read it.
     live: AtomicUsize,
@@ -307,7 +308,7 @@ impl Table {
                 .collect(),
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
-            counts: Counts { live: AtomicUsize::new(0), tombs: AtomicUsize::new(0) },
+            counts: Padded::default(),
         }
     }
 
