@@ -175,6 +175,7 @@ mod table;
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::hash::BuildHasherDefault;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
@@ -185,7 +186,7 @@ pub use result::{LookupResult, TierRun, WorkerMatch};
 pub use snapshot::StagedSnapshot;
 
 use grace::Grace;
-use runs::{Cursors, Runs, PAGE};
+use runs::{Cursors, Runs, WordHasher, PAGE};
 use table::{Added, Overflow, Probe, Subbed, Table};
 
 /// Construction parameters of a [`PrefixIndex`].
@@ -380,7 +381,7 @@ struct Scratch {
     /// One candidate's tier runs, while `emit` sorts them.
     tier_runs: Vec<TierRun>,
     /// Block 0's candidates of crowded keys, as this thread last computed them.
-    memo: HashMap<u64, Memo>,
+    memo: HashMap<u64, Memo, BuildHasherDefault<WordHasher>>,
     /// The lookup started from kept candidates: the result already lists every candidate as
     /// ending at block 1, and `candidates` are only those that may go on.
     patch: bool,

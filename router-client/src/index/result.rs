@@ -44,10 +44,23 @@ impl WorkerMatch<'_> {
 /// same thing.
 ///
 /// Stored flat (two vectors) so a result can be reused across lookups without allocating.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Default, PartialEq, Eq)]
 pub struct LookupResult {
     entries: Vec<Entry>,
     runs: Vec<TierRun>,
+}
+
+impl Clone for LookupResult {
+    fn clone(&self) -> Self {
+        Self { entries: self.entries.clone(), runs: self.runs.clone() }
+    }
+
+    /// Into `self`'s buffers (a derived `Clone` would allocate new ones and free the old):
+    /// a lookup from kept first-block candidates starts by copying their result.
+    fn clone_from(&mut self, source: &Self) {
+        self.entries.clone_from(&source.entries);
+        self.runs.clone_from(&source.runs);
+    }
 }
 
 impl LookupResult {
@@ -131,5 +144,38 @@ impl fmt::Debug for LookupResult {
             ));
         }
         list.finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// (worker, blocks, [(tier, blocks)]) per match.
+    type Matches<'a> = &'a [(u32, u32, &'a [(u8, u32)])];
+
+    fn result(workers: Matches) -> LookupResult {
+        let mut r = LookupResult::default();
+        for &(w, blocks, runs) in workers {
+            let runs = runs.iter().map(|&(t, b)| TierRun { tier: TierId::new(t).unwrap(), blocks: b });
+            r.push(WorkerId::new(w).unwrap(), blocks, runs);
+        }
+        r
+    }
+
+    #[test]
+    fn clone_from_gives_the_source_over_a_longer_or_shorter_result() {
+        let small = result(&[(1, 2, &[(0, 2)])]);
+        let big = result(&[(0, 5, &[(0, 5), (1, 3)]), (2, 1, &[(1, 1)]), (7, 4, &[(0, 4)])]);
+        let mut r = big.clone();
+        r.clone_from(&small);
+        assert_eq!(r, small);
+        assert_eq!(format!("{r:?}"), "[w1 blocks=2 tiers=[(0, 2)]]");
+        r.clone_from(&big);
+        assert_eq!(r, big);
+        assert_eq!(r.blocks(WorkerId::new(0).unwrap()), 5);
+        assert_eq!(r.get(WorkerId::new(0).unwrap()).unwrap().tier(TierId::new(1).unwrap()), 3);
+        assert_eq!(r.blocks(WorkerId::new(7).unwrap()), 4);
+        assert_eq!(r.len(), 3);
     }
 }

@@ -162,14 +162,15 @@ pub(super) struct Cursor {
 }
 
 /// One stripe of holders: their cursors. Holding it is holding the lock of its holders.
-pub(super) type Cursors = HashMap<u64, Cursor, BuildHasherDefault<HolderHasher>>;
+pub(super) type Cursors = HashMap<u64, Cursor, BuildHasherDefault<WordHasher>>;
 
-/// Hashes a packed holder with one multiply: the map is on every store's and removal's path,
-/// and its keys are few and not chosen by an adversary.
+/// Hashes a word with one multiply, for the index's small maps on hot paths whose keys are few
+/// or not chosen by an adversary: the holder cursors (on every store's and removal's path),
+/// a snapshot's staging, and a lookup thread's kept candidates (at most `MEMO_KEYS` keys).
 #[derive(Default)]
-pub(super) struct HolderHasher(u64);
+pub(super) struct WordHasher(u64);
 
-impl Hasher for HolderHasher {
+impl Hasher for WordHasher {
     fn finish(&self) -> u64 {
         self.0
     }

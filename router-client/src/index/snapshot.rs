@@ -4,7 +4,7 @@ use std::collections::HashMap;
 use std::hash::BuildHasherDefault;
 
 use super::ids::TierId;
-use super::runs::HolderHasher;
+use super::runs::WordHasher;
 
 /// A worker's complete new state: `(tier, hash, copies)` triples, collected (for example from
 /// a relay's snapshot chunks) without touching the index, then swapped in whole by
@@ -80,7 +80,7 @@ impl StagedSnapshot {
         if self.parents.is_empty() {
             return (0..n).map(|i| (i, None)).collect();
         }
-        let mut first: HashMap<(TierId, u64), usize, BuildHasherDefault<HolderHasher>> =
+        let mut first: HashMap<(TierId, u64), usize, BuildHasherDefault<WordHasher>> =
             HashMap::with_capacity_and_hasher(n, Default::default());
         for (i, &(tier, h, _)) in self.entries.iter().enumerate() {
             first.entry((tier, h)).or_insert(i);
