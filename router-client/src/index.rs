@@ -589,9 +589,13 @@ impl PrefixIndex {
         std::hint::black_box(sink);
     }
 
-    /// Probes for up to [`WINDOW`] hashes.
+    /// Probes for up to [`WINDOW`] hashes (the rest of the array is not meant to be used).
     fn probes(hashes: &[u64]) -> [Probe; WINDOW] {
-        std::array::from_fn(|j| Probe::new(hashes.get(j).copied().unwrap_or(0)))
+        let mut probes = [Probe::default(); WINDOW];
+        for (p, &h) in probes.iter_mut().zip(hashes) {
+            *p = Probe::new(h);
+        }
+        probes
     }
 
     fn worker_lock(&self, worker: WorkerId) -> &RwLock<()> {
@@ -870,15 +874,14 @@ impl PrefixIndex {
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
             // crowded keys).
             let version = table.version(&first);
-            let kept = s.memo.get(&hashes[0]).is_some_and(|m| m.is(table.id(), version, seq0));
-            s.patch = kept;
-            let block1 = if kept {
+            let Scratch { memo, holders, ends, candidates, patch, .. } = &mut *s;
+            let kept = memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0));
+            *patch = kept.is_some();
+            let block1 = if let Some(m) = kept {
                 // Every candidate ends at block 1 but those holding block 1 (probed now: it
                 // also gives the pairs' entries); only those are walked. `holders` is block 1's
                 // holders (none for a request of one block).
-                self.gather(&tables, &hashes[1..n.min(2)], s);
-                let Scratch { memo, holders, candidates, .. } = &mut *s;
-                let m = &memo[&hashes[0]];
+                self.gather(&tables, &hashes[1..n.min(2)], holders, ends);
                 out.clone_from(&m.result);
                 for &v in holders.iter() {
                     let worker = table::worker_of(v);
@@ -893,9 +896,9 @@ impl PrefixIndex {
                 }
                 candidates.sort_unstable_by_key(|c| c.worker);
                 candidates.dedup_by_key(|c| c.worker);
-                0..s.holders.len()
+                0..holders.len()
             } else {
-                self.gather(&tables, &hashes[..n.min(2)], s);
+                self.gather(&tables, &hashes[..n.min(2)], holders, ends);
                 self.first_block(seq0, s);
                 // Kept only if no change of the key was under way or came while its holders
                 // were read: the version was even and is still the same.
@@ -909,7 +912,7 @@ impl PrefixIndex {
             }
             s.alive.extend(0..s.candidates.len() as u32);
             let mut i = 1;
-            if n > 1 && (kept || s.pairs.len() > 1) {
+            if n > 1 && (s.patch || s.pairs.len() > 1) {
                 if !Self::step(1, block1, s) {
                     Self::emit(n as u32, s, out);
                     return;
@@ -925,7 +928,7 @@ impl PrefixIndex {
                     if i == n {
                         break;
                     }
-                    self.gather(&tables, &hashes[i..=i], s);
+                    self.gather(&tables, &hashes[i..=i], &mut s.holders, &mut s.ends);
                     if !Self::step(i, 0..s.ends[0], s) {
                         Self::emit(n as u32, s, out);
                         return;
@@ -937,7 +940,7 @@ impl PrefixIndex {
                 // block while they are dropping out (block 1 after a popular block 0), as
                 // the next block may end them all.
                 let window = &hashes[i..n.min(i + if s.settled { WINDOW } else { 1 })];
-                self.gather(&tables, window, s);
+                self.gather(&tables, window, &mut s.holders, &mut s.ends);
                 let mut from = 0;
                 for k in 0..window.len() {
                     let to = s.ends[k];
@@ -959,8 +962,10 @@ impl PrefixIndex {
     /// while before. Called after the lookup's read-modify-writes, which would wait for them.
     fn touch_request(hashes: &[u64]) {
         let mut sink = hashes[hashes.len() - 1];
-        for h in hashes.iter().step_by(8).skip(1) {
-            sink ^= *h;
+        let mut i = 8;
+        while i < hashes.len() {
+            sink ^= hashes[i];
+            i += 8;
         }
         std::hint::black_box(sink);
     }
@@ -1057,18 +1062,17 @@ impl PrefixIndex {
         }
     }
 
-    /// Collects the holders of each block of `window` (at most [`WINDOW`]) into
-    /// `s.holders`, block `k`'s ending at `s.ends[k]`.
-    fn gather(&self, tables: &Tables, window: &[u64], s: &mut Scratch) {
+    /// Collects the holders of each block of `window` (at most [`WINDOW`]) into `holders`,
+    /// block `k`'s ending at `ends[k]`.
+    fn gather(&self, tables: &Tables, window: &[u64], holders: &mut Vec<u64>, ends: &mut [usize; WINDOW]) {
         let probes = Self::probes(window);
         let probes = &probes[..window.len()];
         // Even for one probe: its control word and slots are separate lines, loaded together.
         Self::touch(tables, self.shard_mask, probes);
-        s.holders.clear();
+        holders.clear();
         for (k, p) in probes.iter().enumerate() {
-            let holders = &mut s.holders;
             tables[p.shard(self.shard_mask)].for_each(p, |v| holders.push(v));
-            s.ends[k] = s.holders.len();
+            ends[k] = holders.len();
         }
     }
 

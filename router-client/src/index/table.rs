@@ -183,7 +183,7 @@ impl Overflow {
 }
 
 /// Where a block hash lives: computed once per hash from a strong mix of it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Probe {
     pub hash: u64,
     mixed: u64,
