@@ -14,12 +14,16 @@
 //! workers / 2, at least 4), `--blocks N` (stop the workload after N stored blocks; 0 = the
 //! whole trace), `--lookups N` (distinct lookup requests, 20,000), `--trace FILE` (default
 //! `$KV_ROUTER_MOONCAKE`, else `../shared/data/mooncake/conversation_trace.jsonl`; a synthetic
-//! trace of the same shape when absent), `--reference` (add the reference with Dynamo on),
+//! trace of the same shape when absent), `--lookup-rate N` (the lookup thread beside the
+//! writers does N lookups a second instead of back to back; `RadixTree` keeps one lookup every
+//! 8 events), `--reference` (add the reference with Dynamo on),
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
 //! stream applied `--runs` times with its rate and no lookups, then lookups over the final
 //! index `--lookup-runs` times (default `--runs`), with percentiles by match depth; for
 //! profiling; with `--resync`, also every worker's final state swapped into new indexes by
-//! `replace_worker`, without and with the blocks' parents, and the lookups over both).
+//! `replace_worker`, without and with the blocks' parents, and the lookups over both; with
+//! `--hot`, the lookup's own CPU: one request looked up again and again, everything in cache,
+//! for three requests of each kind).
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
@@ -47,7 +51,7 @@ use std::alloc::System;
 use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -321,12 +325,25 @@ fn pct(sorted: &[u64], p: f64) -> Duration {
     Duration::from_nanos(sorted[((sorted.len() - 1) as f64 * p) as usize])
 }
 
-/// Runs `lookup` back to back on this thread until `done`, returning the sorted latencies (ns).
+/// `--lookup-rate`: lookups per second of the lookup thread beside the writers (0: back to back).
+static LOOKUP_RATE: AtomicU64 = AtomicU64::new(0);
+
+/// Runs `lookup` on this thread until `done`, back to back or at `--lookup-rate` (the i-th
+/// lookup starts at the i-th tick of the rate, or at once if late), returning the sorted
+/// latencies (ns, each lookup's own time).
 fn lookup_loop(w: &Workload, done: &AtomicBool, mut lookup: impl FnMut(&[u64]) -> u64) -> Vec<u64> {
     let mut lat = Vec::with_capacity(1 << 20);
     let mut sink = 0u64;
     let mut i = 0;
+    let rate = LOOKUP_RATE.load(Ordering::Relaxed);
+    let start = Instant::now();
     while !done.load(Ordering::Relaxed) {
+        if rate > 0 {
+            let due = start + Duration::from_secs_f64(i as f64 / rate as f64);
+            while Instant::now() < due && !done.load(Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        }
         let q = &w.lookups[i % w.lookups.len()];
         let t0 = Instant::now();
         sink = sink.wrapping_add(lookup(q));
@@ -539,6 +556,7 @@ struct Opts {
     reference: bool,
     only: Option<String>,
     lookup_runs: Option<usize>,
+    lookup_rate: u64,
 }
 
 impl Opts {
@@ -568,6 +586,7 @@ impl Opts {
             reference: args.iter().any(|a| a == "--reference") || !cfg!(feature = "dynamo-bench"),
             only: val("--only"),
             lookup_runs: val("--lookup-runs").and_then(|v| v.parse().ok()),
+            lookup_rate: num("--lookup-rate", 0) as u64,
         }
     }
 }
@@ -636,8 +655,49 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
         println!("  depth {d:>4}..{:<4} {c:>8} lookups, mean {} ns", d + 24, ns / c as u64);
     }
     println!("  {:?}, {} B", index.stats(), index.memory_bytes());
+    if std::env::args().any(|a| a == "--hot") {
+        hot(&index, w);
+    }
     if std::env::args().any(|a| a == "--resync") {
         resync(w, lookup_reps);
+    }
+}
+
+/// `--analyze --hot`: the CPU a lookup costs with everything in cache (one request looked up
+/// 200,000 times in a row), for the first three lookup requests of each kind: every worker
+/// matching only the first block (kept first-block candidates with no holder of block 1, the
+/// path of most of the 8-worker bench's lookups), 3 to 24 blocks deep, and 25 or more. Three
+/// rounds, to see the machine's spread.
+fn hot(index: &PrefixIndex, w: &Workload) {
+    const REPS: u32 = 200_000;
+    let mut r = LookupResult::default();
+    let mut picked: Vec<(&str, &[u64])> = Vec::new();
+    for q in &w.lookups {
+        index.lookup_into(q, &mut r);
+        let depth = r.iter().map(|m| m.blocks).max().unwrap_or(0);
+        let kind = match depth {
+            1 if r.len() == w.workers as usize => "first block only",
+            3..=24 => "3-24 blocks",
+            25.. => "25+ blocks",
+            _ => continue,
+        };
+        if picked.iter().filter(|(k, _)| *k == kind).count() < 3 {
+            picked.push((kind, q));
+        }
+    }
+    picked.sort_by_key(|(kind, _)| *kind);
+    for round in 0..3 {
+        let mut line = format!("  in cache, round {round}:");
+        for (kind, q) in &picked {
+            let t0 = Instant::now();
+            for _ in 0..REPS {
+                index.lookup_into(q, &mut r);
+                black_box(&r);
+            }
+            let ns = t0.elapsed().as_nanos() as f64 / REPS as f64;
+            line += &format!(" [{kind}, length {}] {ns:.0} ns", q.len());
+        }
+        println!("{line}");
     }
 }
 
@@ -703,6 +763,7 @@ fn resync(w: &Workload, reps: usize) {
 
 fn main() {
     let o = Opts::parse();
+    LOOKUP_RATE.store(o.lookup_rate, Ordering::Relaxed);
     let threads = o.threads;
     let mut runners: Vec<Runner> = vec![(
         "index",
@@ -722,9 +783,10 @@ fn main() {
     runners.retain(|(name, _)| name == &"index" || o.only.as_deref().is_none_or(|n| n == *name));
     let (source, trace) = read_trace(o.trace.as_ref(), o.blocks);
     println!(
-        "prefix index bench: trace {source} ({} requests); {} writer thread(s) + 1 lookup thread; {} run(s); load average {}",
+        "prefix index bench: trace {source} ({} requests); {} writer thread(s) + 1 lookup thread ({}); {} run(s); load average {}",
         trace.len(),
         threads,
+        if o.lookup_rate > 0 { format!("{} lookups/s", o.lookup_rate) } else { "back to back".into() },
         o.runs,
         std::fs::read_to_string("/proc/loadavg").map(|s| s.split(' ').take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
     );
