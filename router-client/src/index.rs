@@ -75,7 +75,7 @@
 //! from a mismatch, so any store order, hashes that are not chained, the same hash in several
 //! runs, or parents held by other workers stay exact; they only cost probes. With many pairs (a popular prefix) it probes as before: one
 //! block at a time while they drop out, then windows of 8 blocks whose cache misses overlap
-//! (it touches their home groups before reading any). Pages whose entries all died are freed
+//! (it asks for their home groups' lines before reading any). Pages whose entries all died are freed
 //! and reused after a grace period (so no lookup reads a page that changed owner under it);
 //! a page left a sixteenth full by removals is compacted (its live entries move, in order, to
 //! the holder's current page), and one left a quarter full too when the pages in use are
@@ -123,7 +123,10 @@
 //!
 //! **Writers** serialise per shard (a mutex per shard), per holder (a striped lock over the
 //! holders' page cursors) and, for replaces, on one swap lock; a per-worker stripe lock keeps
-//! incremental writes of a worker out of its replace.
+//! incremental writes of a worker out of its replace. A writer asks for each block's home
+//! group eight blocks before it writes it (prefetch hints, `prefetch.rs`), so the next blocks'
+//! misses overlap its work on this one: a shard's mutex, taken per block, waits for every
+//! plain load before it, so loads could not.
 //! Incremental operations are atomic per block, not per call: a lookup racing a
 //! `store(w, t, [a, b])`, a `remove` or a `clear(w, Some(tier))` may see part of it.
 //!
@@ -167,6 +170,7 @@
 
 mod grace;
 mod ids;
+mod prefetch;
 pub mod reference;
 mod result;
 mod runs;
@@ -186,6 +190,7 @@ pub use result::{LookupResult, TierRun, WorkerMatch};
 pub use snapshot::StagedSnapshot;
 
 use grace::Grace;
+use prefetch::prefetch;
 use runs::{Cursors, Runs, WordHasher, PAGE};
 use table::{Added, Overflow, Probe, Subbed, Table};
 
@@ -450,8 +455,11 @@ const MEMO_HOLDERS: usize = 8;
 /// First blocks whose candidates a thread keeps (all dropped when a new one would exceed it).
 const MEMO_KEYS: usize = 64;
 
-/// Blocks whose first cache lines a lookup loads before using any (see `Table::touch`).
+/// Blocks whose first cache lines a lookup asks for before using any (see `Table::prefetch`).
 const WINDOW: usize = 8;
+/// How many blocks ahead of the block it works on a writer asks for a block's lines (see
+/// [`Ahead`]). 4, 8, 12 and 16 gave the same rate in the 128-worker bench.
+const AHEAD: usize = 8;
 /// Most alive (candidate, tier) pairs a lookup follows through their runs; with more, it
 /// probes (one probe serves every holder of a block).
 const FOLLOW: usize = 8;
@@ -518,6 +526,60 @@ thread_local! {
     static REMOVALS: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
 }
 
+/// The probes of a writer's blocks, in order, each block's first lines asked for [`AHEAD`]
+/// blocks before it is yielded: the misses of the next blocks overlap the work on this one.
+/// Plain loads could not do that: the shard mutex a writer takes per block waits for every
+/// load before it, so they overlapped only within a window, and each window paid a whole miss
+/// (`prefetch.rs`).
+struct Ahead<'a> {
+    /// The tables the hints are for. A table rebuilt meanwhile only makes a hint useless.
+    tables: arc_swap::Guard<Arc<Tables>>,
+    mask: usize,
+    hashes: &'a [u64],
+    /// Block `i`'s probe is at `i % AHEAD` from the time its lines are asked for.
+    ring: [Probe; AHEAD],
+    next: usize,
+}
+
+impl<'a> Ahead<'a> {
+    fn new(index: &PrefixIndex, hashes: &'a [u64]) -> Self {
+        let mut ahead = Self {
+            tables: index.tables.load(),
+            mask: index.shard_mask,
+            hashes,
+            ring: [Probe::default(); AHEAD],
+            next: 0,
+        };
+        for i in 0..hashes.len().min(AHEAD) {
+            ahead.ask(i);
+        }
+        ahead
+    }
+
+    fn ask(&mut self, i: usize) {
+        let p = Probe::new(self.hashes[i]);
+        self.tables[p.shard(self.mask)].prefetch(&p);
+        self.ring[i % AHEAD] = p;
+    }
+}
+
+impl Iterator for Ahead<'_> {
+    type Item = Probe;
+
+    fn next(&mut self) -> Option<Probe> {
+        let i = self.next;
+        if i == self.hashes.len() {
+            return None;
+        }
+        let p = self.ring[i % AHEAD];
+        if i + AHEAD < self.hashes.len() {
+            self.ask(i + AHEAD);
+        }
+        self.next = i + 1;
+        Some(p)
+    }
+}
+
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -580,13 +642,11 @@ impl PrefixIndex {
         self.tables.store(Arc::new(next.into_boxed_slice()));
     }
 
-    /// Issues the first loads of several probes, so that their cache misses overlap.
-    fn touch(tables: &Tables, mask: usize, probes: &[Probe]) {
-        let mut sink = 0;
+    /// Asks for the first lines of several probes, so that their cache misses overlap.
+    fn prefetch(tables: &Tables, mask: usize, probes: &[Probe]) {
         for p in probes {
-            sink ^= tables[p.shard(mask)].touch(p);
+            tables[p.shard(mask)].prefetch(p);
         }
-        std::hint::black_box(sink);
     }
 
     /// Probes for up to [`WINDOW`] hashes (the rest of the array is not meant to be used).
@@ -655,29 +715,22 @@ impl PrefixIndex {
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut cursors = self.runs.lock(holder);
+        let parent = parent.filter(|_| !hashes.is_empty()).map(Probe::new);
+        let tables = self.tables.load();
+        if let Some(pp) = &parent {
+            tables[pp.shard(self.shard_mask)].prefetch(pp);
+        }
+        let blocks = Ahead::new(self, hashes);
         // The entry before the next block's: the parent's, then each block's. The parent's is
         // read without the shard's lock: only this holder's writers change its slots, and we
         // hold its lock.
-        let parent = parent.filter(|_| !hashes.is_empty()).map(Probe::new);
-        let mut prev = table::NO_ENTRY;
-        for (c, chunk) in hashes.chunks(WINDOW).enumerate() {
-            let probes = Self::probes(chunk);
-            let probes = &probes[..chunk.len()];
-            let tables = self.tables.load();
-            let parent = parent.filter(|_| c == 0);
-            if let Some(pp) = &parent {
-                Self::touch(&tables, self.shard_mask, std::slice::from_ref(pp));
-            }
-            Self::touch(&tables, self.shard_mask, probes);
-            if let Some(pp) = &parent {
-                prev = tables[pp.shard(self.shard_mask)].entry(pp, holder).unwrap_or(table::NO_ENTRY);
-            }
-            drop(tables);
-            for p in probes {
-                let entry = self.add(p, holder, 1, &mut cursors);
-                self.runs.join(prev, entry);
-                prev = entry;
-            }
+        let mut prev =
+            parent.and_then(|pp| tables[pp.shard(self.shard_mask)].entry(&pp, holder)).unwrap_or(table::NO_ENTRY);
+        drop(tables);
+        for p in blocks {
+            let entry = self.add(&p, holder, 1, &mut cursors);
+            self.runs.join(prev, entry);
+            prev = entry;
         }
     }
 
@@ -689,25 +742,20 @@ impl PrefixIndex {
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut out = RemoveOutcome::default();
         let mut cursors = self.runs.lock(holder);
-        for chunk in hashes.chunks(WINDOW) {
-            let probes = Self::probes(chunk);
-            let probes = &probes[..chunk.len()];
-            Self::touch(&self.tables.load(), self.shard_mask, probes);
-            for p in probes {
-                let subbed =
-                    lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(p, holder, &self.overflow, &self.grace);
-                match subbed {
-                    Subbed::Taken => out.removed += 1,
-                    Subbed::Died { entry } => {
-                        out.removed += 1;
-                        if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry, &self.grace) {
-                            if runs::compact_now(left, || self.pages_half_empty()) {
-                                self.compact(&mut cursors, holder, sparse);
-                            }
+        for p in Ahead::new(self, hashes) {
+            let subbed =
+                lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(&p, holder, &self.overflow, &self.grace);
+            match subbed {
+                Subbed::Taken => out.removed += 1,
+                Subbed::Died { entry } => {
+                    out.removed += 1;
+                    if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry, &self.grace) {
+                        if runs::compact_now(left, || self.pages_half_empty()) {
+                            self.compact(&mut cursors, holder, sparse);
                         }
                     }
-                    Subbed::Missing => out.missing += 1,
                 }
+                Subbed::Missing => out.missing += 1,
             }
         }
         if out.missing > 0 {
@@ -862,13 +910,13 @@ impl PrefixIndex {
             // and unchanged, else from the table. Block 1 is probed with it (their misses
             // overlap): unless one pair holds block 0, block 1 is where most candidates drop out.
             let n = hashes.len();
-            // The first loads: block 1's home group (every lookup of more than one block probes
+            // The first lines asked for: block 1's home group (every lookup of more than one block probes
             // it), then the request's lines, so that the probe's misses do not queue behind
             // those of a long request.
             if n > 1 {
-                Self::touch(&tables, self.shard_mask, &[Probe::new(hashes[1])]);
+                Self::prefetch(&tables, self.shard_mask, &[Probe::new(hashes[1])]);
             }
-            Self::touch_request(hashes);
+            Self::prefetch_request(hashes);
             let first = Probe::new(hashes[0]);
             let table = &tables[first.shard(self.shard_mask)];
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
@@ -956,18 +1004,17 @@ impl PrefixIndex {
         });
     }
 
-    /// Loads the cache lines of a request's hashes (past the first, which the lookup reads at
-    /// once), so that when they are not in cache their misses overlap, instead of coming one
-    /// after another as the lookup reaches them: a router may look up hashes it computed a
-    /// while before. Called after the lookup's read-modify-writes, which would wait for them.
-    fn touch_request(hashes: &[u64]) {
-        let mut sink = hashes[hashes.len() - 1];
+    /// Asks for the cache lines of a request's hashes (past the first, which the lookup reads
+    /// at once), so that when they are not in cache their misses overlap, instead of coming
+    /// one after another as the lookup reaches them: a router may look up hashes it computed a
+    /// while before.
+    fn prefetch_request(hashes: &[u64]) {
         let mut i = 8;
         while i < hashes.len() {
-            sink ^= hashes[i];
+            prefetch(&hashes[i]);
             i += 8;
         }
-        std::hint::black_box(sink);
+        prefetch(&hashes[hashes.len() - 1]);
     }
 
     /// Follows every alive (candidate, tier) through its holder's runs: the number of blocks
@@ -977,12 +1024,12 @@ impl PrefixIndex {
     /// its entry's link if the link's target checks out (module docs, Links).
     fn follow(&self, hashes: &[u64], pairs: &mut [u32]) -> usize {
         if pairs.len() > 1 {
-            // Load every page's first line before comparing any: their misses overlap.
-            let mut sink = 0;
+            // Ask for every page's first line before comparing any: their misses overlap.
             for &entry in pairs.iter() {
-                sink ^= self.runs.page(entry).map_or(0, |p| p.touch(entry % PAGE + 1));
+                if let Some(p) = self.runs.page(entry) {
+                    p.prefetch(entry % PAGE + 1);
+                }
             }
-            std::hint::black_box(sink);
         }
         debug_assert!(pairs.len() <= FOLLOW);
         // Per pair: 0 while its page is one a live slot named (the grace period keeps it the
@@ -1068,7 +1115,7 @@ impl PrefixIndex {
         let probes = Self::probes(window);
         let probes = &probes[..window.len()];
         // Even for one probe: its control word and slots are separate lines, loaded together.
-        Self::touch(tables, self.shard_mask, probes);
+        Self::prefetch(tables, self.shard_mask, probes);
         holders.clear();
         for (k, p) in probes.iter().enumerate() {
             tables[p.shard(self.shard_mask)].for_each(p, |v| holders.push(v));

@@ -38,6 +38,7 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use super::grace::Grace;
+use super::prefetch::prefetch;
 use super::table;
 use super::Padded;
 
@@ -124,10 +125,11 @@ impl Page {
         (l >> LINK_BITS == offset).then_some(l & LINK_TARGET)
     }
 
-    /// Loads the lines holding the `valid` word and entry `offset` (see `Table::touch`).
+    /// Asks for the lines holding the `valid` word and entry `offset` (see `Table::prefetch`).
     #[inline]
-    pub fn touch(&self, offset: u32) -> u64 {
-        self.valid.load(Ordering::Relaxed) ^ self.hashes[(offset % PAGE) as usize].load(Ordering::Relaxed)
+    pub fn prefetch(&self, offset: u32) {
+        prefetch(&self.valid);
+        prefetch(&self.hashes[(offset % PAGE) as usize]);
     }
 
     /// How many entries from `offset` on are valid and equal `hashes`, in order.

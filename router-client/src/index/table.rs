@@ -59,6 +59,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::grace::Grace;
+use super::prefetch::prefetch;
 use super::Padded;
 
 /// A dead slot's value (a *tomb*): the worker field all ones (never a live value: worker ids
@@ -383,15 +384,17 @@ impl Table {
         self.capacity() - self.capacity() / 8
     }
 
-    /// Loads the cache lines a probe for `p` will read first (its home group's control word
-    /// and slots), so that callers can issue the loads of several probes before using any:
-    /// their cache misses then overlap. Returns a value to feed to `black_box`.
+    /// Asks for the cache lines a probe for `p` will read first: its home group's control
+    /// word and its slots (112 bytes, over two or three lines: slots 0, 4 and 6 are on each
+    /// of them), so that callers can ask for several probes' lines before using any: their
+    /// cache misses then overlap (`prefetch.rs`).
     #[inline]
-    pub fn touch(&self, p: &Probe) -> u64 {
+    pub fn prefetch(&self, p: &Probe) {
         let g = p.home(self.ctrl.len());
-        self.ctrl[g].load(Ordering::Relaxed)
-            ^ self.slots[g * GROUP].val.load(Ordering::Relaxed)
-            ^ self.slots[g * GROUP + 4].val.load(Ordering::Relaxed)
+        prefetch(&self.ctrl[g]);
+        for k in [0, 4, GROUP - 1] {
+            prefetch(&self.slots[g * GROUP + k].val);
+        }
     }
 
     /// Calls `f` with every live packed value stored under `p.hash`. Lock-free; may be called
