@@ -7,7 +7,7 @@
 //! orders loads before locked instructions; `PREFETCHT0` is ordered with neither). A writer
 //! takes a shard's mutex per block, so a block's loads could not overlap the previous block's
 //! work: each window of touched probes paid a whole miss. With hints issued eight blocks
-//! ahead, the 128-worker Mooncake bench's writer applied 17-23% more block operations per
+//! ahead, the 128-worker Mooncake bench's writer applied 16-23% more block operations per
 //! second in the same process (`docs/benchmarks.md`, Eighth measurement).
 //!
 //! This is the crate's one `unsafe` block. `_mm_prefetch` reads nothing the program can see
