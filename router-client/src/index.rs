@@ -556,9 +556,14 @@ impl<'a> Ahead<'a> {
         ahead
     }
 
+    /// The table of `p`'s shard, of the set the hints are for.
+    fn table(&self, p: &Probe) -> &Table {
+        &self.tables[p.shard(self.mask)]
+    }
+
     fn ask(&mut self, i: usize) {
         let p = Probe::new(self.hashes[i]);
-        self.tables[p.shard(self.mask)].prefetch(&p);
+        self.table(&p).prefetch(&p);
         self.ring[i % AHEAD] = p;
     }
 }
@@ -715,18 +720,15 @@ impl PrefixIndex {
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut cursors = self.runs.lock(holder);
-        let parent = parent.filter(|_| !hashes.is_empty()).map(Probe::new);
-        let tables = self.tables.load();
-        if let Some(pp) = &parent {
-            tables[pp.shard(self.shard_mask)].prefetch(pp);
-        }
         let blocks = Ahead::new(self, hashes);
         // The entry before the next block's: the parent's, then each block's. The parent's is
-        // read without the shard's lock: only this holder's writers change its slots, and we
-        // hold its lock.
-        let mut prev =
-            parent.and_then(|pp| tables[pp.shard(self.shard_mask)].entry(&pp, holder)).unwrap_or(table::NO_ENTRY);
-        drop(tables);
+        // read without the shard's lock (its miss overlaps the blocks' hints): only this
+        // holder's writers change its slots, and we hold its lock.
+        let mut prev = parent
+            .filter(|_| !hashes.is_empty())
+            .map(Probe::new)
+            .and_then(|pp| blocks.table(&pp).entry(&pp, holder))
+            .unwrap_or(table::NO_ENTRY);
         for p in blocks {
             let entry = self.add(&p, holder, 1, &mut cursors);
             self.runs.join(prev, entry);
@@ -1336,5 +1338,39 @@ impl PrefixIndex {
             + WORKER_STRIPES * std::mem::size_of::<RwLock<()>>()
             + self.runs.bytes()
             + self.overflow.bytes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Lookups answer the same with any parent or none, so only the layout shows whether a
+    /// store used its parent: the parent's entry links to the first stored block's.
+    #[test]
+    fn a_store_after_its_parent_links_the_parents_entry_to_its_first_block() {
+        let index = PrefixIndex::default();
+        let w = index.worker("http://relay:50051", 0).expect("worker");
+        let holder = table::holder(w.get(), index.gens.load(w) & 1, TierId::DEVICE.get());
+        let entry = |hash: u64| {
+            let p = Probe::new(hash);
+            index.tables.load()[p.shard(index.shard_mask)].entry(&p, holder).expect("held")
+        };
+        index.store(w, TierId::DEVICE, &[1, 2, 3]);
+        // Another event's blocks come between the parent and the continuation.
+        index.store(w, TierId::DEVICE, &[10, 11]);
+        index.store_after(w, TierId::DEVICE, Some(3), &[4, 5]);
+        assert_eq!((entry(3), entry(10), entry(4)), (2, 3, 5));
+        assert_eq!(index.runs.link_of(entry(3)), Some(entry(4)));
+        // Without a parent nothing links to the new blocks.
+        index.store(w, TierId::DEVICE, &[20]);
+        index.store(w, TierId::DEVICE, &[30]);
+        index.store(w, TierId::DEVICE, &[6]);
+        assert_eq!(index.runs.link_of(entry(20)), None);
+        assert_eq!(index.runs.link_of(entry(5)), None);
+        // A parent this worker does not hold links nothing either.
+        index.store_after(w, TierId::DEVICE, Some(99), &[7]);
+        assert_eq!(index.runs.link_of(entry(6)), None);
+        assert_eq!(index.lookup(&[1, 2, 3, 4, 5]).get(w).map(|m| m.blocks), Some(5));
     }
 }
