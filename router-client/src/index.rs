@@ -75,8 +75,8 @@
 //! from a mismatch, so any store order, hashes that are not chained, the same hash in several
 //! runs, or parents held by other workers stay exact; they only cost probes. With many pairs (a popular prefix) it probes as before: one
 //! block at a time while they drop out, then windows of 8 blocks whose cache misses overlap
-//! (it asks for their home groups' lines before reading any). Pages whose entries all died are freed
-//! and reused after a grace period (so no lookup reads a page that changed owner under it);
+//! (it asks for their home groups' lines before reading any). Pages whose entries all died are
+//! freed and reused after a grace period (so no lookup reads a page that changed owner under it);
 //! a page left a sixteenth full by removals is compacted (its live entries move, in order, to
 //! the holder's current page), and one left a quarter full too when the pages in use are
 //! less than half full, so page slack stays bounded. Cost: 8 bytes per (holder, block) plus
@@ -912,9 +912,9 @@ impl PrefixIndex {
             // and unchanged, else from the table. Block 1 is probed with it (their misses
             // overlap): unless one pair holds block 0, block 1 is where most candidates drop out.
             let n = hashes.len();
-            // The first lines asked for: block 1's home group (every lookup of more than one block probes
-            // it), then the request's lines, so that the probe's misses do not queue behind
-            // those of a long request.
+            // The first lines asked for: block 1's home group (every lookup of more than one
+            // block probes it), then the request's lines, so that the probe's misses do not
+            // queue behind those of a long request.
             if n > 1 {
                 Self::prefetch(&tables, self.shard_mask, &[Probe::new(hashes[1])]);
             }
