@@ -885,13 +885,29 @@ impl SmallDisk {
         Some(SmallDisk { dir })
     }
 
+    /// Remounts with `opts`, trying again while the kernel answers busy: a store just dropped
+    /// closes its files from sled's background threads, and a read-only remount fails while any
+    /// file is open for writing (the same wait as an open's for the store's lock).
     fn remount(&self, opts: &str) {
-        let st = std::process::Command::new("mount")
-            .args(["-o", &format!("remount,{opts}")])
-            .arg(self.dir.path())
-            .status()
-            .unwrap();
-        assert!(st.success());
+        let started = std::time::Instant::now();
+        loop {
+            let out = std::process::Command::new("mount")
+                .args(["-o", &format!("remount,{opts}")])
+                .arg(self.dir.path())
+                .output()
+                .unwrap();
+            if out.status.success() {
+                return;
+            }
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(
+                err.contains("busy") && started.elapsed() < std::time::Duration::from_secs(30),
+                "remount,{opts} of {} failed after {:?}: {err}",
+                self.dir.path().display(),
+                started.elapsed()
+            );
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
     }
 }
 
