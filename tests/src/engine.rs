@@ -434,6 +434,13 @@ impl MockEngine {
         Ok(self.rank(rank)?.handle.send(Cmd::Lose(n))?)
     }
 
+    /// The next `n` batches of `rank` go to the replay buffer at once but on the wire only after
+    /// the replay socket has answered a request: whoever asks the replay meanwhile (a relay's
+    /// tail probe) gets them there before the live copy arrives.
+    pub fn wire_after_replay(&self, rank: u32, n: u64) -> Result<(), EngineError> {
+        Ok(self.rank(rank)?.handle.send(Cmd::WireAfterReplay(n))?)
+    }
+
     /// Forget buffered batches of `rank`, keeping the newest `keep`.
     pub fn trim_buffer(&self, rank: u32, keep: usize) -> Result<(), EngineError> {
         Ok(self.rank(rank)?.handle.send(Cmd::TrimBuffer(keep))?)

@@ -139,6 +139,10 @@ pub(crate) enum Cmd {
     DropWire(u64),
     /// The next N batches get a seq but are neither sent nor buffered.
     Lose(u64),
+    /// The next N batches get a seq and are buffered at once, but go on the wire only after the
+    /// replay socket has answered a request: a subscriber asking the replay meanwhile gets them
+    /// there first.
+    WireAfterReplay(u64),
     /// Forget buffered batches, keeping only the newest `keep`.
     TrimBuffer(usize),
     /// Hold publishing for this long: batches wait, then go out in order.
@@ -185,6 +189,8 @@ impl RankHandle {
             generation: 0,
             buffer: VecDeque::new(),
             drop_wire: 0,
+            wire_after_replay: 0,
+            after_replay: Vec::new(),
             lose: 0,
             hold_until: None,
             pending: VecDeque::new(),
@@ -261,6 +267,9 @@ struct Worker {
     buffer: VecDeque<Buffered>,
     drop_wire: u64,
     lose: u64,
+    wire_after_replay: u64,
+    /// Batches buffered under `WireAfterReplay`, sent once a replay request has been answered.
+    after_replay: Vec<[Vec<u8>; 3]>,
     hold_until: Option<Instant>,
     /// Ordered commands held back by a delay.
     pending: VecDeque<Cmd>,
@@ -327,6 +336,7 @@ impl Worker {
         self.sockets = None;
         self.seq = 0;
         self.buffer.clear();
+        self.after_replay.clear();
         for cmd in self.pending.drain(..) {
             // Whoever waits on a held Sync is answered, not left with a dropped channel.
             if let Cmd::Sync(ack) = cmd {
@@ -414,6 +424,7 @@ impl Worker {
             }
             Cmd::DropWire(n) => self.drop_wire += n,
             Cmd::Lose(n) => self.lose += n,
+            Cmd::WireAfterReplay(n) => self.wire_after_replay += n,
             Cmd::TrimBuffer(keep) => {
                 while self.buffer.len() > keep {
                     self.buffer.pop_front();
@@ -475,6 +486,10 @@ impl Worker {
                 self.drop_wire -= 1;
                 self.counters.dropped_on_wire += 1;
                 on_wire = false;
+            } else if self.wire_after_replay > 0 {
+                self.wire_after_replay -= 1;
+                self.after_replay.push([topic.clone(), seq.to_be_bytes().to_vec(), payload.clone()]);
+                on_wire = true;
             } else {
                 let frames: [&[u8]; 3] = [&topic, &seq.to_be_bytes(), &payload];
                 // PUB never blocks: past the high-water mark zmq drops, as the engines' do.
@@ -544,6 +559,12 @@ impl Worker {
             answered = true;
         }
         if answered {
+            if let Some(s) = &self.sockets {
+                for frames in self.after_replay.drain(..) {
+                    let _ = s.publisher.send_multipart(frames, 0);
+                    self.counters.sent += 1;
+                }
+            }
             self.publish_stats();
         }
     }

@@ -145,6 +145,16 @@ fn traffic(e: &MockEngine, rank: u32, src: &mut RandomSource, n: usize) {
     }
 }
 
+/// Serves requests on `rank` until the engine has given out seq `next_seq - 1` (a request the
+/// cache already holds publishes nothing).
+fn traffic_until(e: &MockEngine, rank: u32, src: &mut RandomSource, next_seq: u64) {
+    while e.stats(rank).unwrap().next_seq < next_seq {
+        traffic(e, rank, src, 1);
+        e.flush().unwrap();
+    }
+    assert_eq!(e.stats(rank).unwrap().next_seq, next_seq);
+}
+
 /// Waits until the relay's SUB sockets receive: publishes a probe-free request stream until
 /// the relay has seen a batch of every rank.
 fn warm_up(relay: &Relay, e: &MockEngine, src: &mut RandomSource) {
@@ -306,6 +316,58 @@ fn a_lost_tail_is_found_while_the_rank_is_quiet() {
     let after = relay.status(0);
     assert!(after.tail_probes > before.tail_probes);
     assert_eq!(after.refilled - before.refilled, 2);
+    assert_eq!(after.gaps - before.gaps, 1);
+    assert_eq!(after.batches - before.batches, 2);
+}
+
+#[test]
+fn a_batch_a_tail_probe_reads_before_its_live_copy_is_no_gap() {
+    let e = engine(vllm(), 1, true, 10_000);
+    let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
+    let mut src = RandomSource::new(9, 4, 6);
+    warm_up(&relay, &e, &mut src);
+    e.flush().unwrap();
+    let (next, requests) = (e.stats(0).unwrap().next_seq, e.stats(0).unwrap().replay_requests);
+    let before = relay.status(0);
+    let seen_before = relay.seen.lock().unwrap().order.len();
+    // The next batch is in the replay buffer at once and on the wire only once the replay has
+    // answered a request: the relay's tail probe of the quiet rank reads it there first.
+    e.wire_after_replay(0, 1).unwrap();
+    traffic_until(&e, 0, &mut src, next + 1);
+    wait_equal(&relay, &e);
+    wait_for("the live copy", || e.stats(0).unwrap().sent == next + 1);
+    let after = relay.status(0);
+    assert!(e.stats(0).unwrap().replay_requests > requests);
+    assert!(after.tail_probes > before.tail_probes);
+    // Taken from the live socket, once; no gap, nothing refilled.
+    assert_eq!(after.last_seq, Some(next));
+    assert_eq!((after.gaps, after.refilled, after.lost), (before.gaps, before.refilled, 0));
+    assert_eq!(after.batches, before.batches + 1);
+    assert_eq!(relay.seen.lock().unwrap().order[seen_before..], [(0, next)]);
+    assert_eq!(relay.health(0), Health::Ok);
+}
+
+#[test]
+fn a_tail_probe_refills_only_what_the_live_socket_does_not_deliver() {
+    let e = engine(vllm(), 1, true, 10_000);
+    let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
+    let mut src = RandomSource::new(10, 4, 6);
+    warm_up(&relay, &e, &mut src);
+    e.flush().unwrap();
+    let next = e.stats(0).unwrap().next_seq;
+    let before = relay.status(0);
+    let seen_before = relay.seen.lock().unwrap().order.len();
+    // Batch `next` reaches the wire right after the probe's replay; `next + 1` never does.
+    e.wire_after_replay(0, 1).unwrap();
+    e.drop_on_wire(0, 1).unwrap();
+    traffic_until(&e, 0, &mut src, next + 2);
+    wait_equal(&relay, &e);
+    wait_for("the last batch", || relay.status(0).last_seq == Some(next + 1));
+    let after = relay.status(0);
+    assert_eq!((after.gaps, after.refilled, after.lost), (before.gaps + 1, before.refilled + 1, 0));
+    assert_eq!(after.batches, before.batches + 2);
+    assert_eq!(relay.seen.lock().unwrap().order[seen_before..], [(0, next), (0, next + 1)]);
+    assert_eq!(relay.seen.lock().unwrap().refilled, before.refilled + 1);
 }
 
 #[test]

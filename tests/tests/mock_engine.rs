@@ -189,6 +189,29 @@ fn dropped_batch_is_absent_on_the_wire_but_present_in_replay() {
 }
 
 #[test]
+fn a_batch_held_for_a_replay_goes_on_the_wire_after_the_replay_answered() {
+    let engine = engine_with(vllm(), 1, |_| {});
+    let ctx = zmq::Context::new();
+    let sub = sub_for(&engine, &ctx, 0);
+    engine.publish(0, vec![store(0)]).unwrap();
+    engine.wire_after_replay(0, 2).unwrap();
+    for i in 1..3 {
+        engine.publish(0, vec![store(i)]).unwrap();
+    }
+    assert_eq!(seqs(&sub.collect(3, Duration::from_millis(500))), vec![0]);
+    // Buffered at once: the replay has them before the wire.
+    let a = replay(&ctx, &replay_ep(&engine, 0), 1, T).unwrap();
+    assert_eq!(a.batches.iter().map(|b| b.seq).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(seqs(&sub.collect(2, T)), vec![1, 2]);
+    // The fault is spent: the next batch goes out at once.
+    engine.publish(0, vec![store(3)]).unwrap();
+    assert_eq!(seqs(&sub.collect(1, T)), vec![3]);
+    engine.flush().unwrap();
+    let s = engine.stats(0).unwrap();
+    assert_eq!((s.sent, s.dropped_on_wire, s.replay_requests, s.replayed_batches), (4, 0, 1, 2));
+}
+
+#[test]
 fn trimming_the_buffer_forgets_the_oldest_batches() {
     let engine = engine_with(vllm(), 1, |_| {});
     for i in 0..6 {

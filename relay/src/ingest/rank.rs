@@ -18,7 +18,10 @@
 //!   announced before, but holds no stale ones.
 //! * **Lost tail.** A batch lost just before the engine goes quiet has no successor to reveal the
 //!   gap, so while the rank is quiet the replay socket is asked for anything after `last`, at most
-//!   once per `tail_probe` interval.
+//!   once per `tail_probe` interval. What the replay holds past `last` may also be on its way on
+//!   the SUB socket (this thread was not reading it while it asked): the live socket gets the
+//!   first claim for [`LIVE_FIRST`], and only what it does not deliver is a lost tail, refilled
+//!   and counted as a gap.
 //! * **Backpressure.** Items go out through a bounded channel; when it is full this thread blocks,
 //!   the SUB socket's queue fills, and the engine's PUB drops at its high-water mark: those
 //!   batches come back through the gap rule. Nothing is dropped silently here.
@@ -158,11 +161,20 @@ struct Rank {
     /// and a publisher restart otherwise.
     recent: std::collections::VecDeque<(u64, f64)>,
     health: Health,
+    /// When the SUB socket last delivered a message: the rank is quiet `tail_probe` after it.
+    last_live: Instant,
 }
 
 /// How many recent (seq, ts) pairs are remembered to tell duplicates from restarts. A replay
 /// can refill at most the engine's buffer (10,000 batches by default).
 const RECENT: usize = 16_384;
+
+/// How long a tail probe that found batches past the last one waits for the SUB socket to
+/// deliver them before refilling them as a lost tail. An engine buffers a batch when it sends it,
+/// so a batch published while the probe was asking is in the SUB socket's queue or on its way;
+/// taking it from the replay would count a gap (and could raise the frequent-gaps alert) where
+/// nothing was lost. A tail really lost is refilled this much later.
+pub const LIVE_FIRST: Duration = Duration::from_millis(100);
 
 /// Runs one rank until `stop` is set or the channel closes. Blocking: call on its own thread.
 pub fn run(
@@ -192,6 +204,7 @@ pub fn run(
         last: resume.map(|r| (r.last_seq, r.last_ts)),
         recent: resume.map(|r| (r.last_seq, r.last_ts)).into_iter().collect(),
         health: Health::Ok,
+        last_live: Instant::now(),
     };
     {
         let mut s = r.status.lock().expect("rank status");
@@ -209,23 +222,21 @@ impl Rank {
         if self.prime(resume).is_err() {
             return Ok(());
         }
-        let mut last_activity = Instant::now();
         let mut last_probe = Instant::now();
         while !stop.load(Ordering::Relaxed) {
             let mut items = [sub.as_poll_item(zmq::POLLIN)];
             zmq::poll(&mut items, 100)?;
             if items[0].is_readable() {
                 let frames = sub.recv_multipart(0)?;
-                last_activity = Instant::now();
                 if self.on_live(&frames).is_err() {
                     return Ok(());
                 }
                 continue;
             }
-            let quiet = last_activity.elapsed() >= self.cfg.tail_probe;
+            let quiet = self.last_live.elapsed() >= self.cfg.tail_probe;
             if quiet && last_probe.elapsed() >= self.cfg.tail_probe && self.cfg.replay_endpoint.is_some() {
                 last_probe = Instant::now();
-                if self.probe_tail().is_err() {
+                if self.probe_tail(sub).is_err() {
                     return Ok(());
                 }
             }
@@ -345,6 +356,7 @@ impl Rank {
     }
 
     fn on_live(&mut self, frames: &[Vec<u8>]) -> Result<(), Closed> {
+        self.last_live = Instant::now();
         let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
         let f = match wire::split_pub(&refs) {
             Ok(f) => f,
@@ -426,24 +438,31 @@ impl Rank {
     }
 
     fn prime(&mut self, resume: Option<Resume>) -> Result<(), Closed> {
-        if self.cfg.replay_endpoint.is_none() {
-            return Ok(());
+        match self.replay_from(resume) {
+            Some(got) => self.prime_with(resume, got),
+            None => Ok(()),
         }
-        let start = resume.map_or(0, |r| r.last_seq);
-        let got = match self.replay(start) {
-            Ok(b) => b,
+    }
+
+    /// What the replay socket holds from `resume`'s seq (from 0 without one); `None`, said in the
+    /// log, when it cannot be read.
+    fn replay_from(&mut self, resume: Option<Resume>) -> Option<Vec<(u64, Vec<u8>)>> {
+        self.cfg.replay_endpoint.as_ref()?;
+        match self.replay(resume.map_or(0, |r| r.last_seq)) {
+            Ok(b) => Some(b),
             Err(e) => {
                 tracing::warn!(dp_rank = self.rank(), error = %e, "reading the replay socket failed");
-                return Ok(());
+                None
             }
-        };
+        }
+    }
+
+    /// The priming check over what the replay socket answered from `resume`'s seq.
+    fn prime_with(&mut self, resume: Option<Resume>, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
         if let Some(r) = resume {
             match got.first() {
-                Some((seq, payload)) if *seq == r.last_seq => {
-                    let same = wire::decode_batch(payload).is_ok_and(|b| b.ts.to_bits() == r.last_ts.to_bits());
-                    if same {
-                        return self.apply_replayed(got.into_iter().skip(1).collect());
-                    }
+                Some((seq, payload)) if *seq == r.last_seq && same_batch(payload, r) => {
+                    return self.apply_replayed(got.into_iter().skip(1).collect());
                 }
                 Some((seq, _)) if *seq > r.last_seq => {
                     // The buffer rolled past where the relay stopped: the same publisher or not,
@@ -497,16 +516,67 @@ impl Rank {
     /// after it is a lost tail, refilled. A publisher that no longer has it has restarted (its
     /// batches were all missed while the SUB reconnected): the rank is reset and read again from
     /// seq 0. This is the same check as priming a rank the store already knows.
-    fn probe_tail(&mut self) -> Result<(), Closed> {
+    ///
+    /// Batches past the last one, from the same publisher, may be on their way on the SUB socket:
+    /// it is read first, for up to [`LIVE_FIRST`], and the replay refills only what it did not
+    /// deliver.
+    fn probe_tail(&mut self, sub: &zmq::Socket) -> Result<(), Closed> {
         self.update(|s| s.tail_probes += 1);
         let resume = self.last.map(|(last_seq, last_ts)| Resume { last_seq, last_ts });
-        let before = self.status.lock().expect("rank status").batches;
-        self.prime(resume)?;
-        let after = self.status.lock().expect("rank status").batches;
-        if after > before {
-            tracing::info!(dp_rank = self.rank(), batches = after - before, "quiet rank: missed batches refilled");
+        let Some(got) = self.replay_from(resume) else { return Ok(()) };
+        let more = match resume {
+            Some(r) => {
+                got.len() > 1 && got.first().is_some_and(|(seq, payload)| *seq == r.last_seq && same_batch(payload, r))
+            }
+            None => !got.is_empty(),
+        };
+        let status = |r: &Self| {
+            let s = r.status.lock().expect("rank status");
+            (s.batches, s.restarts)
+        };
+        let (before, restarts) = status(self);
+        if more {
+            let newest = got.last().map_or(0, |b| b.0);
+            self.live_first(sub, newest)?;
+        }
+        let (live, restarts_now) = status(self);
+        if restarts_now != restarts {
+            // The SUB socket brought a new publisher: what the replay answered was the old one's.
+            return Ok(());
+        }
+        if live > before {
+            // The SUB socket took over: the replay's batches past its newest are a lost tail.
+            self.apply_replayed(got)?;
+        } else {
+            self.prime_with(resume, got)?;
+        }
+        let after = status(self).0;
+        if after > live {
+            tracing::info!(dp_rank = self.rank(), batches = after - live, "quiet rank: missed batches refilled");
             m::gap(self.rank());
             self.update(|s| s.gaps += 1);
+        }
+        Ok(())
+    }
+
+    /// Hands on what the SUB socket delivers until the rank's last seq reaches `newest` or
+    /// [`LIVE_FIRST`] has passed. A socket error ends the wait; the main loop meets it again.
+    fn live_first(&mut self, sub: &zmq::Socket, newest: u64) -> Result<(), Closed> {
+        let deadline = Instant::now() + LIVE_FIRST;
+        while self.last.is_none_or(|(last, _)| last < newest) {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            let mut items = [sub.as_poll_item(zmq::POLLIN)];
+            match zmq::poll(&mut items, left.as_millis().max(1) as i64) {
+                Ok(_) if items[0].is_readable() => match sub.recv_multipart(0) {
+                    Ok(frames) => self.on_live(&frames)?,
+                    Err(_) => break,
+                },
+                Ok(_) => {}
+                Err(_) => break,
+            }
         }
         Ok(())
     }
@@ -546,4 +616,10 @@ impl Rank {
             }
         }
     }
+}
+
+/// Whether a replayed payload is the batch `r` names: the same seq was asked for, and the same
+/// engine timestamp tells the same publisher from a restarted one.
+fn same_batch(payload: &[u8], r: Resume) -> bool {
+    wire::decode_batch(payload).is_ok_and(|b| b.ts.to_bits() == r.last_ts.to_bits())
 }
