@@ -173,8 +173,10 @@ const RECENT: usize = 16_384;
 /// deliver them before refilling them as a lost tail. An engine buffers a batch when it sends it,
 /// so a batch published while the probe was asking is in the SUB socket's queue or on its way;
 /// taking it from the replay would count a gap (and could raise the frequent-gaps alert) where
-/// nothing was lost. A tail really lost is refilled this much later.
-pub const LIVE_FIRST: Duration = Duration::from_millis(100);
+/// nothing was lost. A tail really lost is refilled this much later, after the `tail_probe`
+/// (3 s by default) of quiet that started the probe; the margin is for a loaded host, where the
+/// engine's and the relay's threads may wait tens of milliseconds to run.
+pub const LIVE_FIRST: Duration = Duration::from_millis(250);
 
 /// Runs one rank until `stop` is set or the channel closes. Blocking: call on its own thread.
 pub fn run(
