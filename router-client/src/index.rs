@@ -126,7 +126,9 @@
 //! incremental writes of a worker out of its replace. A writer asks for each block's home
 //! group eight blocks before it writes it (prefetch hints, `prefetch.rs`), so the next blocks'
 //! misses overlap its work on this one: a shard's mutex, taken per block, waits for every
-//! plain load before it, so loads could not.
+//! plain load before it, so loads could not. It asks for them owned (a write hint), so that a
+//! line a lookup thread read is taken from that core before the mutex's locked instructions
+//! wait for the store to it.
 //! Incremental operations are atomic per block, not per call: a lookup racing a
 //! `store(w, t, [a, b])`, a `remove` or a `clear(w, Some(tier))` may see part of it.
 //!
@@ -563,7 +565,7 @@ impl<'a> Ahead<'a> {
 
     fn ask(&mut self, i: usize) {
         let p = Probe::new(self.hashes[i]);
-        self.table(&p).prefetch(&p);
+        self.table(&p).prefetch_write(&p);
         self.ring[i % AHEAD] = p;
     }
 }

@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::grace::Grace;
-use super::prefetch::prefetch;
+use super::prefetch::{prefetch, prefetch_write};
 use super::Padded;
 
 /// A dead slot's value (a *tomb*): the worker field all ones (never a live value: worker ids
@@ -403,10 +403,22 @@ impl Table {
     /// cache misses then overlap (`prefetch.rs`).
     #[inline]
     pub fn prefetch(&self, p: &Probe) {
+        self.ask(p, prefetch);
+    }
+
+    /// [`Table::prefetch`] for a writer: asks for the same lines owned, as it writes the
+    /// control word and one of the slots (`prefetch.rs`).
+    #[inline]
+    pub fn prefetch_write(&self, p: &Probe) {
+        self.ask(p, prefetch_write);
+    }
+
+    #[inline(always)]
+    fn ask(&self, p: &Probe, hint: impl Fn(&AtomicU64)) {
         let g = p.home(self.ctrl.len());
-        prefetch(&self.ctrl[g]);
+        hint(&self.ctrl[g]);
         for k in [0, 4, GROUP - 1] {
-            prefetch(&self.slots[g * GROUP + k].val);
+            hint(&self.slots[g * GROUP + k].val);
         }
     }
 
