@@ -193,7 +193,7 @@ pub use snapshot::StagedSnapshot;
 
 use grace::Grace;
 use prefetch::prefetch;
-use runs::{Cursors, Runs, WordHasher, PAGE};
+use runs::{Cursor, Runs, WordHasher, PAGE};
 use table::{Added, Overflow, Probe, Subbed, Table};
 
 /// Construction parameters of a [`PrefixIndex`].
@@ -670,12 +670,13 @@ impl PrefixIndex {
     }
 
     /// Adds copies under the shard's lock, rebuilding the shard's table when it is full. A
-    /// new slot gets the holder's next run entry. `cursors` is the holder's lock. Returns the
+    /// new slot gets the holder's next run entry. `cursor` is the holder's (caller holds its
+    /// lock). Returns the
     /// slot's entry (`NO_ENTRY` if none).
-    fn add(&self, p: &Probe, holder: u64, copies: u32, cursors: &mut Cursors) -> u32 {
+    fn add(&self, p: &Probe, holder: u64, copies: u32, cursor: &mut Cursor) -> u32 {
         let s = p.shard(self.shard_mask);
         let mut table = lock(&self.shard_locks[s].0);
-        let mut entry = || self.runs.append(cursors, holder, p.hash, &self.grace);
+        let mut entry = || self.runs.append(cursor, holder, p.hash, &self.grace);
         let ended = self.grace.periods_ended();
         let (saturated, entry) = match table.add(p, holder, copies, &mut entry, &self.overflow, ended) {
             Added::Done { saturated, entry } => (saturated, entry),
@@ -722,6 +723,7 @@ impl PrefixIndex {
         let tag = self.gens.load(worker) & 1;
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut cursors = self.runs.lock(holder);
+        let cursor = cursors.entry(holder).or_insert(Cursor::NEW);
         let blocks = Ahead::new(self, hashes);
         // The entry before the next block's: the parent's, then each block's. The parent's is
         // read without the shard's lock (its miss overlaps the blocks' hints): only this
@@ -732,7 +734,7 @@ impl PrefixIndex {
             .and_then(|pp| blocks.table(&pp).entry(&pp, holder))
             .unwrap_or(table::NO_ENTRY);
         for p in blocks {
-            let entry = self.add(&p, holder, 1, &mut cursors);
+            let entry = self.add(&p, holder, 1, cursor);
             self.runs.join(prev, entry);
             prev = entry;
         }
@@ -746,6 +748,10 @@ impl PrefixIndex {
         let holder = table::holder(worker.get(), tag, tier.get());
         let mut out = RemoveOutcome::default();
         let mut cursors = self.runs.lock(holder);
+        // A holder without a cursor has no entries (none stored, or all dropped with it): a
+        // fresh one stands in, so that a removal adds nothing to the map.
+        let mut fresh = Cursor::NEW;
+        let cursor = cursors.get_mut(&holder).unwrap_or(&mut fresh);
         for p in Ahead::new(self, hashes) {
             let subbed =
                 lock(&self.shard_locks[p.shard(self.shard_mask)].0).sub(&p, holder, &self.overflow, &self.grace);
@@ -753,9 +759,9 @@ impl PrefixIndex {
                 Subbed::Taken => out.removed += 1,
                 Subbed::Died { entry } => {
                     out.removed += 1;
-                    if let Some((sparse, left)) = self.runs.invalidate(&cursors, holder, entry, &self.grace) {
+                    if let Some((sparse, left)) = self.runs.invalidate(cursor, entry, &self.grace) {
                         if runs::compact_now(left, || self.pages_half_empty()) {
-                            self.compact(&mut cursors, holder, sparse);
+                            self.compact(cursor, holder, sparse);
                         }
                     }
                 }
@@ -782,23 +788,23 @@ impl PrefixIndex {
 
     /// Moves the valid entries of `holder`'s sparse `page` to its current page (in order, so
     /// runs stay runs), so that the page is freed instead of holding a few live entries.
-    /// `cursors` is the holder's lock. The moved entries keep their links, and entries that
+    /// `cursor` is the holder's (caller holds its lock). The moved entries keep their links, and entries that
     /// were adjacent stay joined (by a link where the current page ends between them); links
     /// of other pages into the moved entries go stale (lookups then probe).
-    fn compact(&self, cursors: &mut Cursors, holder: u64, page: u32) {
+    fn compact(&self, cursor: &mut Cursor, holder: u64, page: u32) {
         let entries = self.runs.valid_entries(page);
         let links: Vec<Option<u32>> = entries.iter().map(|&(old, _)| self.runs.link_of(old)).collect();
         let mut moved: Vec<(u32, u32)> = Vec::with_capacity(entries.len());
         for (old, hash) in entries {
             let p = Probe::new(hash);
             let table = lock(&self.shard_locks[p.shard(self.shard_mask)].0);
-            let entry = self.runs.append(cursors, holder, hash, &self.grace);
+            let entry = self.runs.append(cursor, holder, hash, &self.grace);
             // Both entries are valid while the slot moves: either proves the block is held.
             let ok = table.move_entry(&p, holder, old, entry);
             drop(table);
             let stale = if ok { old } else { entry };
             debug_assert!(ok, "a valid entry is its slot's entry");
-            self.runs.invalidate(cursors, holder, stale, &self.grace);
+            self.runs.invalidate(cursor, stale, &self.grace);
             // Entries adjacent in the old page stay joined.
             if let Some(&(_, prev)) = moved.last().filter(|&&(before, _)| old == before + 1) {
                 self.runs.join(prev, entry);
@@ -860,7 +866,7 @@ impl PrefixIndex {
             if copies > 0 {
                 let holder = table::holder(worker.get(), new_tag, tier.get());
                 let mut cursors = self.runs.lock(holder);
-                let entry = self.add(&Probe::new(h), holder, copies, &mut cursors);
+                let entry = self.add(&Probe::new(h), holder, copies, cursors.entry(holder).or_insert(Cursor::NEW));
                 if let Some(p) = parent {
                     self.runs.join(written[p], entry);
                 }

@@ -172,6 +172,11 @@ pub(super) struct Cursor {
     used: u32,
 }
 
+impl Cursor {
+    /// A holder's cursor before its first entry: no page (the first append takes one).
+    pub const NEW: Cursor = Cursor { page: NO_PAGE, used: PAGE };
+}
+
 /// One stripe of holders: their cursors. Holding it is holding the lock of its holders.
 pub(super) type Cursors = HashMap<u64, Cursor, BuildHasherDefault<WordHasher>>;
 
@@ -276,9 +281,9 @@ impl Runs {
     }
 
     /// Writes `hash` as `holder`'s next entry and marks it valid; the caller then publishes
-    /// the slot naming it. `NO_ENTRY` when the pool is exhausted (the slot then has none).
-    pub fn append(&self, cursors: &mut Cursors, holder: u64, hash: u64, grace: &Grace) -> u32 {
-        let cursor = cursors.entry(holder).or_insert(Cursor { page: NO_PAGE, used: PAGE });
+    /// the slot naming it. `cursor` is the holder's (the caller holds its lock). `NO_ENTRY`
+    /// when the pool is exhausted (the slot then has none).
+    pub fn append(&self, cursor: &mut Cursor, holder: u64, hash: u64, grace: &Grace) -> u32 {
         if cursor.used == PAGE {
             let Some(page) = self.alloc(holder, grace) else {
                 return table::NO_ENTRY;
@@ -295,17 +300,17 @@ impl Runs {
         cursor.page * PAGE + cursor.used - 1
     }
 
-    /// Marks `entry` (of a slot of `holder` that just died, or moved) invalid, freeing its
-    /// page when no valid entry is left and the holder no longer appends to it. Returns the
-    /// page and its valid entries if it is now sparse (a quarter or less valid), for
-    /// [`compact_now`] to judge.
-    pub fn invalidate(&self, cursors: &Cursors, holder: u64, entry: u32, grace: &Grace) -> Option<(u32, u32)> {
+    /// Marks `entry` (of a slot of the holder whose `cursor` this is, that just died, or
+    /// moved) invalid, freeing its page when no valid entry is left and the holder no longer
+    /// appends to it. Returns the page and its valid entries if it is now sparse (a quarter or
+    /// less valid), for [`compact_now`] to judge.
+    pub fn invalidate(&self, cursor: &Cursor, entry: u32, grace: &Grace) -> Option<(u32, u32)> {
         let p = self.page(entry)?;
         let bit = 1 << (entry % PAGE);
         let left = p.valid.load(Ordering::Relaxed) & !bit;
         p.set_valid(left);
         let page = entry / PAGE;
-        if cursors.get(&holder).is_some_and(|c| c.page == page) {
+        if cursor.page == page {
             return None;
         }
         if left == 0 {
