@@ -272,6 +272,10 @@ impl RelayProc {
         let child = Command::new(relay_bin())
             .args(&self.args)
             .env("RUST_LOG", "warn")
+            // As the systemd unit and the Kubernetes manifest run it (docs/operations.md): the
+            // drills' RSS rules judge the relay as shipped, not glibc's default of up to eight
+            // arenas per core (docs/drills.md, Open).
+            .env("MALLOC_ARENA_MAX", "2")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log"))
             .stderr(log)
