@@ -671,8 +671,7 @@ impl PrefixIndex {
 
     /// Adds copies under the shard's lock, rebuilding the shard's table when it is full. A
     /// new slot gets the holder's next run entry. `cursor` is the holder's (caller holds its
-    /// lock). Returns the
-    /// slot's entry (`NO_ENTRY` if none).
+    /// lock). Returns the slot's entry (`NO_ENTRY` if none).
     fn add(&self, p: &Probe, holder: u64, copies: u32, cursor: &mut Cursor) -> u32 {
         let s = p.shard(self.shard_mask);
         let mut table = lock(&self.shard_locks[s].0);
@@ -788,9 +787,10 @@ impl PrefixIndex {
 
     /// Moves the valid entries of `holder`'s sparse `page` to its current page (in order, so
     /// runs stay runs), so that the page is freed instead of holding a few live entries.
-    /// `cursor` is the holder's (caller holds its lock). The moved entries keep their links, and entries that
-    /// were adjacent stay joined (by a link where the current page ends between them); links
-    /// of other pages into the moved entries go stale (lookups then probe).
+    /// `cursor` is the holder's (caller holds its lock). The moved entries keep their links,
+    /// and entries that were adjacent stay joined (by a link where the current page ends
+    /// between them); links of other pages into the moved entries go stale (lookups then
+    /// probe).
     fn compact(&self, cursor: &mut Cursor, holder: u64, page: u32) {
         let entries = self.runs.valid_entries(page);
         let links: Vec<Option<u32>> = entries.iter().map(|&(old, _)| self.runs.link_of(old)).collect();
