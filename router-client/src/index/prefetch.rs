@@ -28,9 +28,9 @@
 //! hint): like `PREFETCHT0`, it changes no register, flag or memory and never faults. On other
 //! targets both hints are the plain load that the read hint replaced.
 
-#[cfg(target_arch = "x86_64")]
-use std::sync::atomic::AtomicU8;
 use std::sync::atomic::{AtomicU64, Ordering};
+#[cfg(target_arch = "x86_64")]
+use std::sync::OnceLock;
 
 /// A word whose cache line can be asked for.
 pub(super) trait Line {
@@ -99,21 +99,11 @@ pub(super) fn prefetch_write(word: &impl Line) {
 }
 
 /// Whether the CPU has `PREFETCHW`: CPUID leaf `0x8000_0001`, ECX bit 8 (`PRFCHW`, named
-/// `3DNowPrefetch` by AMD). Asked once per process; a relaxed load after that.
+/// `3DNowPrefetch` by AMD). Asked once per process; a load after that.
 #[cfg(target_arch = "x86_64")]
 fn has_write_hint() -> bool {
-    const UNKNOWN: u8 = 0;
-    const NO: u8 = 1;
-    const YES: u8 = 2;
-    static STATE: AtomicU8 = AtomicU8::new(UNKNOWN);
-    match STATE.load(Ordering::Relaxed) {
-        UNKNOWN => {
-            let has = cpu_has_prefetchw();
-            STATE.store(if has { YES } else { NO }, Ordering::Relaxed);
-            has
-        }
-        state => state == YES,
-    }
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(cpu_has_prefetchw)
 }
 
 #[cfg(target_arch = "x86_64")]
