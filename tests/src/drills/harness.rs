@@ -269,20 +269,19 @@ impl RelayProc {
     /// Starts the process (again) with the same flags; does not wait.
     pub fn spawn_only(&mut self) {
         let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("relay log");
-        let child = Command::new(relay_bin())
-            .args(&self.args)
-            .env("RUST_LOG", "warn")
-            // As the systemd unit and the Kubernetes manifest run it (docs/operations.md): the
-            // drills' RSS rules judge the relay as shipped, not glibc's default of up to eight
-            // arenas per core (docs/drills.md, Open).
-            .env("MALLOC_ARENA_MAX", "2")
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("log"))
-            .stderr(log)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!("starting {}: {e} (build it: cargo build -p kv-relay --bins)", relay_bin().display())
-            });
+        let mut command = Command::new(relay_bin());
+        command.args(&self.args).env("RUST_LOG", "warn");
+        // As the systemd unit and the Kubernetes manifest run it (docs/operations.md): the
+        // drills' RSS rules and the relay bench judge the relay as shipped, not glibc's default
+        // of up to eight arenas per core (docs/drills.md, Open). A value in the environment
+        // wins, so that a comparison with other arena counts can still be run.
+        if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+            command.env("MALLOC_ARENA_MAX", "2");
+        }
+        let child =
+            command.stdin(Stdio::null()).stdout(log.try_clone().expect("log")).stderr(log).spawn().unwrap_or_else(
+                |e| panic!("starting {}: {e} (build it: cargo build -p kv-relay --bins)", relay_bin().display()),
+            );
         self.child = Some(child);
     }
 
