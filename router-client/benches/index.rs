@@ -593,6 +593,67 @@ impl Opts {
 
 type Runner<'a> = (&'static str, Box<dyn Fn(&Workload) -> Row + 'a>);
 
+/// A reading of this machine's cores, taken before each peer's part of a run: how long a fixed
+/// ALU loop takes alone (`alone`, seconds, best of 3), and how much a second thread running it
+/// beside slows it (`beside`, a ratio). This machine's two cores are virtual: the host may run
+/// them on the two hardware threads of one physical core, or another tenant's work on the other
+/// hardware thread of ours, for some runs and not others. A writer whose work is in cache then
+/// slows by up to a third (the same binary, 7M against 11M block ops/s here), and the peers do
+/// not all slow alike, so the runs where both parts read an undisturbed core are also compared
+/// on their own (`docs/benchmarks.md`, eleventh measurement).
+#[derive(Clone, Copy)]
+struct Cores {
+    alone: f64,
+    beside: f64,
+}
+
+impl Cores {
+    fn read() -> Cores {
+        // Eight independent chains: enough work in flight to keep a core's ALU ports busy, so
+        // that a hardware thread beside it has to share them (one dependent chain would not
+        // notice).
+        fn spin(iters: u64) -> u64 {
+            let mut x: [u64; 8] = std::array::from_fn(|i| 0x9e37_79b9_7f4a_7c15u64.wrapping_mul(i as u64 + 1));
+            for _ in 0..iters {
+                for v in &mut x {
+                    *v ^= *v << 13;
+                    *v ^= *v >> 7;
+                    *v ^= *v << 17;
+                }
+            }
+            black_box(x.iter().fold(0, |a, b| a ^ b))
+        }
+        let time = || {
+            (0..3)
+                .map(|_| {
+                    let t0 = Instant::now();
+                    spin(400_000);
+                    t0.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min)
+        };
+        let alone = time();
+        let stop = AtomicBool::new(false);
+        let beside = std::thread::scope(|s| {
+            s.spawn(|| {
+                while !stop.load(Ordering::Relaxed) {
+                    spin(2_000);
+                }
+            });
+            let t = time();
+            stop.store(true, Ordering::Relaxed);
+            t
+        });
+        Cores { alone, beside: beside / alone }
+    }
+
+    /// Undisturbed: within a tenth of the fastest reading of the run (`best`, seconds alone),
+    /// and not sharing a physical core with the other thread.
+    fn undisturbed(&self, best: f64) -> bool {
+        best / self.alone >= 0.9 && self.beside < 1.25
+    }
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -640,8 +701,11 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
     rows.sort_unstable();
     let n = rows.len();
     let total: u64 = rows.iter().map(|r| r.0).sum();
-    println!("  {n} lookups, mean {} ns", total / n as u64);
-    for p in [0.5, 0.9, 0.99, 0.999] {
+    match n {
+        0 => println!("  no lookups (--lookup-runs 0)"),
+        _ => println!("  {n} lookups, mean {} ns", total / n as u64),
+    }
+    for p in [0.5, 0.9, 0.99, 0.999].into_iter().filter(|_| n > 0) {
         let (ns, len, depth, workers, pairs) = rows[((n - 1) as f64 * p) as usize];
         println!("  p{p}: {ns} ns (length {len}, depth {depth}, {workers} workers, {pairs} matched pairs)");
     }
@@ -817,20 +881,30 @@ fn main() {
             w.pairs
         );
         let mut rows: Vec<Vec<Row>> = vec![Vec::new(); runners.len()];
+        // Per run, the cores as read before each peer's part (see `Cores`).
+        let mut cores: Vec<Vec<Cores>> = Vec::new();
+        let mut best = f64::INFINITY;
         for run in 0..o.runs {
+            let mut readings = Vec::new();
             for (k, (name, f)) in runners.iter().enumerate() {
+                let c = Cores::read();
+                best = best.min(c.alone);
+                readings.push(c);
                 let r = f(&w);
                 println!(
-                    "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups)  {:>6.1} B/distinct {:>6.1} B/pair",
+                    "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups)  {:>6.1} B/distinct {:>6.1} B/pair  core {:.0} µs, x{:.2} beside",
                     r.ops_per_s,
                     r.p50,
                     r.p99,
                     r.lookups,
                     r.bytes / w.distinct.max(1) as f64,
-                    r.bytes / w.pairs.max(1) as f64
+                    r.bytes / w.pairs.max(1) as f64,
+                    c.alone * 1e6,
+                    c.beside,
                 );
                 rows[k].push(r);
             }
+            cores.push(readings);
         }
         println!(
             "  medians of {} run(s)   {:>12} {:>10} {:>10} {:>12} {:>10}",
@@ -848,16 +922,32 @@ fn main() {
             );
         }
         for (k, (name, _)) in runners.iter().enumerate().skip(1) {
-            // Same-run ratios, median over runs.
-            let ratio =
-                |f: &dyn Fn(&Row) -> f64| median(rows[0].iter().zip(&rows[k]).map(|(a, b)| f(a) / f(b)).collect());
+            // Same-run ratios, median over the runs given.
+            let ratio = |runs: &[usize], f: &dyn Fn(&Row) -> f64| {
+                median(runs.iter().map(|&i| f(&rows[0][i]) / f(&rows[k][i])).collect())
+            };
+            let all: Vec<usize> = (0..o.runs).collect();
             println!(
                 "  index / {name}: ops/s x{:.2}, lookup p50 x{:.3}, p99 x{:.3}, memory x{:.3}",
-                ratio(&|r| r.ops_per_s),
-                ratio(&|r| r.p50.as_secs_f64()),
-                ratio(&|r| r.p99.as_secs_f64()),
-                ratio(&|r| r.bytes),
+                ratio(&all, &|r| r.ops_per_s),
+                ratio(&all, &|r| r.p50.as_secs_f64()),
+                ratio(&all, &|r| r.p99.as_secs_f64()),
+                ratio(&all, &|r| r.bytes),
             );
+            // The same over the runs where both parts read an undisturbed core.
+            let calm: Vec<usize> = all
+                .into_iter()
+                .filter(|&run| cores[run][0].undisturbed(best) && cores[run][k].undisturbed(best))
+                .collect();
+            if !calm.is_empty() {
+                println!(
+                    "  index / {name}, the {} of {} run(s) with both parts on an undisturbed core: ops/s x{:.2}, lookup p99 x{:.3}",
+                    calm.len(),
+                    o.runs,
+                    ratio(&calm, &|r| r.ops_per_s),
+                    ratio(&calm, &|r| r.p99.as_secs_f64()),
+                );
+            }
         }
     }
 }
