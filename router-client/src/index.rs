@@ -47,8 +47,10 @@
 //! eighth byte counts inserts that overflowed the group, so probes usually end at the home
 //! group). Block hashes are chained (each encodes its prefix), so the table alone answers a
 //! lookup with one probe per request block. A dead slot is reused, for any key, once a grace
-//! period has passed since it died (`table.rs`). The table is rebuilt to ~72% load when it
-//! reaches 7/8 (live slots plus dead ones).
+//! period has passed since it died (`table.rs`). When a table reaches 7/8 (live slots plus
+//! dead ones) it first frees the dead slots it can in place (a sweep of its control words,
+//! after moving the grace periods on), and is rebuilt to ~72% load only when that frees too
+//! few or its live slots alone are past 3/4.
 //!
 //! **Runs: lookups walk contiguous memory.** A probe per block is a random cache miss or two,
 //! and a long request (100-250 blocks) paid one per block where a compressed radix tree
@@ -141,9 +143,11 @@
 //! - A hash held by `k` (worker, tier) pairs costs `k` slots and a lookup step scans all of
 //!   them: cost grows with the number of holders of a block, which is what the answer lists.
 //! - Dead slots wait a grace period before reuse; until then, and those that no insert
-//!   reaches, they cost room until the shard's next rebuild (lookups skip them by their
-//!   control byte). A removal takes a grace ticket (one atomic read-modify-write) per slot
-//!   that dies, and a thread moves the grace periods on at every 16th removal.
+//!   reaches in groups that live slots were placed past, they cost room until a sweep or the
+//!   shard's next rebuild (lookups skip them by their control byte). A removal takes a grace
+//!   ticket (one atomic read-modify-write) per slot that dies, and lowers the overflow counts
+//!   of the groups its slot was placed past (none, for most); a thread moves the grace
+//!   periods on at every 16th removal, and a full table before it sweeps.
 //! - Ids are packed: at most 2^23 - 1 workers and 64 tiers.
 //! - Runs follow store order, not request order: a conversation whose turns were stored as
 //!   separate events is one run per turn, joined by links when the events came with their
@@ -238,6 +242,8 @@ pub struct IndexStats {
     pub replaces: u64,
     /// Shard tables rebuilt (grown when full, or shrunk after a worker-level removal).
     pub rebuilds: u64,
+    /// Full shard tables that freed their dead slots in place instead of being rebuilt.
+    pub sweeps: u64,
     /// Pages of the holders' runs: in use, and free (reusable now or after a grace period).
     pub run_pages: (usize, usize),
 }
@@ -322,6 +328,7 @@ pub struct PrefixIndex {
     saturated_stores: AtomicU64,
     replaces: AtomicU64,
     rebuilds: AtomicU64,
+    sweeps: AtomicU64,
 }
 
 impl Default for PrefixIndex {
@@ -615,6 +622,7 @@ impl PrefixIndex {
             saturated_stores: AtomicU64::new(0),
             replaces: AtomicU64::new(0),
             rebuilds: AtomicU64::new(0),
+            sweeps: AtomicU64::new(0),
         }
     }
 
@@ -677,7 +685,22 @@ impl PrefixIndex {
         let mut table = lock(&self.shard_locks[s].0);
         let mut entry = || self.runs.append(cursor, holder, p.hash, &self.grace);
         let ended = self.grace.periods_ended();
-        let (saturated, entry) = match table.add(p, holder, copies, &mut entry, &self.overflow, ended) {
+        let mut added = table.add(p, holder, copies, &mut entry, &self.overflow, ended);
+        // A table full of dead slots frees those whose grace has passed in place, if that
+        // gives it enough room. The grace periods are moved on first (a period is a start, a
+        // flip and an end; none of it waits): a rebuild costs far more, and with little room
+        // for dead slots (a small table, many removals) their tickets would not pass in time.
+        if added == Added::Full && table.sweep_first() {
+            for _ in 0..3 {
+                self.grace.advance();
+            }
+            let ended = self.grace.periods_ended();
+            if table.sweep(ended) >= table.sweep_enough() {
+                self.sweeps.fetch_add(1, Ordering::Relaxed);
+                added = table.add(p, holder, copies, &mut entry, &self.overflow, ended);
+            }
+        }
+        let (saturated, entry) = match added {
             Added::Done { saturated, entry } => (saturated, entry),
             Added::Full => {
                 let bigger = table.rebuilt(1);
@@ -1319,6 +1342,7 @@ impl PrefixIndex {
             saturated_stores: self.saturated_stores.load(Ordering::Relaxed),
             replaces: self.replaces.load(Ordering::Relaxed),
             rebuilds: self.rebuilds.load(Ordering::Relaxed),
+            sweeps: self.sweeps.load(Ordering::Relaxed),
             run_pages: self.runs.pages(),
             ..IndexStats::default()
         };

@@ -3,8 +3,9 @@
 //! Layout: `slots[i] = (key: AtomicU64, val: AtomicU64)` (16 bytes) in groups of seven, and one
 //! `AtomicU64` control word per group: bytes 0..7 are the slots' control bytes, `EMPTY` (0x80,
 //! never used), `DELETED` (0xfe, dead) or a 7-bit fingerprint of the key (live), and byte 7 is
-//! the group's overflow count: how many inserts found the group full and went on to a later
-//! group (saturating, reset by rebuilds).
+//! the group's overflow count: how many live slots were placed past it, their inserts having
+//! found it full and gone on to a later group (raised by an insert, lowered when such a slot
+//! dies; saturating at 255, where it stays until a rebuild).
 //! A hash held by several (worker, tier) pairs occupies several slots, all with the same key
 //! (a multimap): a lookup walks the groups from the key's home group and stops after the first
 //! group whose overflow count is 0, usually the home group itself even when it is full.
@@ -29,13 +30,24 @@
 //! - A group's overflow count is raised before the slot that overflowed is published, so a
 //!   reader that sees the slot's control byte walked through to it.
 //! - A new slot takes the first group from its key's home with an `EMPTY` slot or a reusable
-//!   dead one (a dead one first), so a group with an `EMPTY` slot was never passed and its
-//!   overflow count is 0; the table never gets fuller than 7/8 (live and dead slots), so such
-//!   groups exist: every probe ends.
+//!   dead one (a dead one first), so a group with an `EMPTY` slot is passed by no live slot
+//!   and its overflow count is 0; the table never gets fuller than 7/8 (live and dead slots),
+//!   so such groups exist: every probe ends. A slot that dies lowers the counts of the groups
+//!   it was placed past after its control byte says `DELETED`, so a lookup that stops early
+//!   because of it misses only that slot, which is gone.
+//!
+//! - A dead slot whose ticket has passed, in a group whose overflow count is 0, may become
+//!   `EMPTY` again in place ([`Table::sweep`]): it is reusable anyway, lookups skip `EMPTY`
+//!   and `DELETED` bytes alike and stop by overflow counts alone, and the group keeps "a
+//!   group with an `EMPTY` slot has count 0". Counts that fall when slots die are what let
+//!   groups return to 0.
 //!
 //! Dead slots used to wait for the shard's next rebuild; reused, they made a quarter fewer
 //! rebuilds in the 128-worker Mooncake bench (761 a run, against 1,008 counted in an
 //! instrumented build), and lookups skip them by their control byte (`docs/benchmarks.md`).
+//! A full table first sweeps (its dead slots freed in place, a walk of its control words)
+//! and is rebuilt only when that frees too few: in the 8-worker bench, 430 rebuilds a run
+//! instead of 1,300, most of them while the tables grow.
 //!
 //! **Versions of crowded keys.** Each key has a version: one of the table's version counters
 //! (one per eight groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
@@ -622,14 +634,32 @@ impl Table {
     /// tomb then takes a grace ticket, so that the slot is reused for another key only once
     /// every lookup that could have read its live value has ended (module docs). Caller holds
     /// the shard's mutex.
-    fn kill(&self, i: usize, grace: &Grace) {
+    fn kill(&self, i: usize, home: usize, grace: &Grace) {
         let slot = &self.slots[i];
         slot.val.store(tomb(NEVER), Ordering::Release);
         let (g, byte) = (i / GROUP, 8 * (i % GROUP));
         let word = self.ctrl[g].load(Ordering::Relaxed);
         self.ctrl[g].store((word & !(0xff << byte)) | ((DELETED as u64) << byte), Ordering::Release);
+        self.unpass(home, g);
         slot.val.store(tomb(grace.ticket()), Ordering::Relaxed);
         self.counts.add(-1, 1);
+    }
+
+    /// Lowers the overflow count of every group from `home` up to (not including) `at`: a
+    /// slot homed at `home` that [`Table::put`] placed in group `at` died. A saturated count
+    /// stays (it no longer knows how many slots went past). Caller holds the shard's mutex.
+    fn unpass(&self, home: usize, at: usize) {
+        let groups = self.ctrl.len();
+        let mut g = home;
+        while g != at {
+            let word = self.ctrl[g].load(Ordering::Relaxed);
+            let count = word >> OVERFLOW_SHIFT;
+            debug_assert!(count > 0, "a group a live slot went past has a count");
+            if count != 0xff {
+                self.ctrl[g].store(word - (1 << OVERFLOW_SHIFT), Ordering::Release);
+            }
+            g = next_group(g, groups);
+        }
     }
 
     /// The index of `holder`'s live slot of `p.hash`, its value, and whether it is outside
@@ -673,7 +703,7 @@ impl Table {
             Self::set_copies(&self.slots[i], p.hash, v, copies - 1, overflow);
             return Subbed::Taken;
         }
-        self.change(p, outside || self.spills(p), || self.kill(i, grace));
+        self.change(p, outside || self.spills(p), || self.kill(i, p.home(self.ctrl.len()), grace));
         Subbed::Died { entry: entry_of(v) }
     }
 
@@ -706,11 +736,59 @@ impl Table {
                 // counts as crowded (a superset: as sound, and this scan is rare).
                 let p = Probe::new(key);
                 let home = p.home(self.ctrl.len());
-                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || self.kill(i, grace));
+                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || self.kill(i, home, grace));
                 removed += 1;
             }
         }
         removed
+    }
+
+    /// Turns dead slots back into `EMPTY` ones in place, where that is sound: those whose
+    /// ticket is below `ended` (every lookup that could have read their live value has left,
+    /// so they are reusable now anyway), in groups whose overflow count is 0 (no insert went
+    /// past them, so an `EMPTY` slot there keeps "a group with an `EMPTY` slot was never
+    /// passed"). Lookups skip `EMPTY` and `DELETED` bytes alike and stop at a group by its
+    /// overflow count alone, and no key's live slots change, so nothing a lookup reads or
+    /// keeps changes meaning. Returns how many slots it freed: each lowers the load a new slot
+    /// is checked against, so a table full of dead slots needs no rebuild while enough of them
+    /// can be freed this way. Caller holds the shard's mutex.
+    pub fn sweep(&self, ended: u64) -> usize {
+        let mut freed = 0;
+        for (g, ctrl) in self.ctrl.iter().enumerate() {
+            let word = ctrl.load(Ordering::Relaxed);
+            let mut dead = word & HI & (word << 1);
+            if dead == 0 || overflowed(word) {
+                continue;
+            }
+            let mut ripe_bytes = 0u64;
+            while dead != 0 {
+                let byte = dead.trailing_zeros() / 8;
+                dead &= dead - 1;
+                if ripe(self.slots[g * GROUP + byte as usize].val.load(Ordering::Relaxed), ended) {
+                    ripe_bytes |= 0xff << (8 * byte);
+                }
+            }
+            if ripe_bytes != 0 {
+                ctrl.store((word & !ripe_bytes) | (EMPTY_WORD & ripe_bytes), Ordering::Release);
+                freed += ripe_bytes.count_ones() as usize / 8;
+            }
+        }
+        self.counts.add(0, -(freed as isize));
+        freed
+    }
+
+    /// Whether a full table should be swept ([`Table::sweep`]) rather than rebuilt: its live
+    /// slots are still at the load a rebuild would give it (about 72%; under 3/4), so a
+    /// rebuild would not grow it, only drop its dead slots.
+    pub fn sweep_first(&self) -> bool {
+        self.live() * 4 < self.capacity() * 3
+    }
+
+    /// The fewest slots a sweep must free for the table to be kept: a thirty-second of it, so
+    /// that a table whose dead slots mostly sit in overflowed groups is rebuilt, not swept
+    /// again at every insert.
+    pub fn sweep_enough(&self) -> usize {
+        (self.capacity() / 64).max(1)
     }
 
     /// True when the table should be rebuilt after removals: mostly tombstones, or mostly empty.
@@ -833,5 +911,96 @@ mod tests {
         for k in (5..13).chain(100..105) {
             assert_eq!(count(&t, k), 1, "key {k}");
         }
+    }
+
+    /// The overflow counts of `t`, group by group.
+    fn counts(t: &Table) -> Vec<u64> {
+        t.ctrl.iter().map(|w| w.load(Ordering::Relaxed) >> OVERFLOW_SHIFT).collect()
+    }
+
+    #[test]
+    fn an_overflow_count_is_the_number_of_live_slots_placed_past_its_group() {
+        let t = Table::for_entries(1000);
+        let (o, g) = (Overflow::default(), Grace::default());
+        let h = holder(2, 0, 1);
+        for k in 0..900u64 {
+            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || 0, &o, 0), Added::Done { .. }));
+        }
+        // Recount from the slots themselves: every live slot adds 1 to each group from its
+        // key's home up to its own.
+        let expected = |t: &Table| {
+            let groups = t.ctrl.len();
+            let mut c = vec![0u64; groups];
+            for i in t.published_slots() {
+                let mut g = Probe::new(t.slots[i].key.load(Ordering::Relaxed)).home(groups);
+                while g != i / GROUP {
+                    c[g] += 1;
+                    g = next_group(g, groups);
+                }
+            }
+            c
+        };
+        let before = counts(&t);
+        assert!(before.iter().filter(|&&c| c > 0).count() > 10, "the test should exercise overflow: {before:?}");
+        assert_eq!(before, expected(&t));
+        // Every other key dies: the counts fall with the slots that went past.
+        for k in (0..900u64).step_by(2) {
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: 0 });
+        }
+        assert_eq!(counts(&t), expected(&t));
+        assert!(counts(&t).iter().sum::<u64>() < before.iter().sum::<u64>());
+        // All of them: no group is passed any more, and every probe ends at its home group.
+        for k in (1..900u64).step_by(2) {
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: 0 });
+        }
+        assert_eq!(counts(&t), vec![0; t.ctrl.len()]);
+        assert_eq!((t.live(), t.tombs()), (0, 900));
+    }
+
+    #[test]
+    fn a_sweep_frees_only_ripe_dead_slots_of_groups_no_live_slot_went_past() {
+        let t = Table::for_entries(1000);
+        let (o, g) = (Overflow::default(), Grace::default());
+        let h = holder(5, 1, 0);
+        for k in 0..900u64 {
+            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
+        }
+        for k in 0..300u64 {
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
+        }
+        // Their ticket (0) has not passed: nothing is freed.
+        assert_eq!(t.sweep(g.periods_ended()), 0);
+        assert_eq!((t.live(), t.tombs()), (600, 300));
+        for _ in 0..3 {
+            g.advance();
+        }
+        assert_eq!(g.periods_ended(), 1);
+        // Which dead slots a sweep may free, read before it: those of groups with count 0.
+        let free: usize = t
+            .ctrl
+            .iter()
+            .map(|w| w.load(Ordering::Relaxed))
+            .filter(|&w| !overflowed(w))
+            .map(|w| (w & HI & (w << 1)).count_ones() as usize)
+            .sum();
+        let passed = counts(&t);
+        assert!(free > 0 && free < 300, "the test should keep some dead slots in passed groups: {free}");
+        assert_eq!(t.sweep(1), free);
+        assert_eq!((t.live(), t.tombs()), (600, 300 - free));
+        assert_eq!(counts(&t), passed, "a sweep changes no count");
+        // The freed slots are EMPTY; dead ones are left only where a live slot went past.
+        for w in t.ctrl.iter().map(|w| w.load(Ordering::Relaxed)) {
+            let dead = (w & HI & (w << 1)).count_ones();
+            assert!(dead == 0 || overflowed(w), "{w:016x}");
+        }
+        // Every key is what it was: the dead ones gone, the live ones found once, with their entry.
+        for k in 0..900u64 {
+            let mut seen = vec![];
+            t.for_each(&Probe::new(k), |v| seen.push(v));
+            let want = if k < 300 { vec![] } else { vec![h | (k << ENTRY_SHIFT) | 1] };
+            assert_eq!(seen, want, "key {k}");
+        }
+        // A second sweep finds nothing more.
+        assert_eq!(t.sweep(1), 0);
     }
 }

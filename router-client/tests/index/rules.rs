@@ -251,3 +251,43 @@ fn memory_per_block_is_compact_for_a_million_blocks() {
     eprintln!("memory_bytes per block for 1M blocks: {per_block:.1} ({stats:?})");
     assert!(per_block < 40.0, "{per_block} bytes per block");
 }
+
+#[test]
+fn steady_churn_frees_dead_slots_in_place_and_stays_exact() {
+    // One shard at a steady live set: requests of 8 blocks stored and, 64 requests later,
+    // removed, by 4 workers. The table fills with dead slots; those whose grace has passed,
+    // in groups no live slot went past, are freed in place (sweeps), and the table is rebuilt
+    // only when too few are.
+    let mut p = Pair::new(IndexConfig { shards: 1, initial_capacity: 0 });
+    let req = |i: u64| seq(1_000 + i, 8);
+    for i in 0..3_000u64 {
+        let worker = w((i % 4) as u32);
+        p.store(worker, TierId::DEVICE, &req(i));
+        if i >= 64 {
+            assert_eq!(p.remove(w(((i - 64) % 4) as u32), TierId::DEVICE, &req(i - 64)).removed, 8);
+        }
+        if i % 97 == 0 {
+            for k in i.saturating_sub(80)..=i {
+                p.lookup(&req(k));
+            }
+        }
+    }
+    let stats = p.index.stats();
+    assert_eq!(stats.blocks, 64 * 8);
+    let grown = stats.rebuilds;
+    assert!(stats.sweeps > 0, "the churn should fill the table with dead slots: {stats:?}");
+    // More churn at the same live set: no rebuild, only sweeps.
+    for i in 3_000..6_000u64 {
+        p.store(w((i % 4) as u32), TierId::DEVICE, &req(i));
+        assert_eq!(p.remove(w(((i - 64) % 4) as u32), TierId::DEVICE, &req(i - 64)).removed, 8);
+    }
+    let after = p.index.stats();
+    // Most times the table was full, a sweep made room (a small table's dead slots
+    // are still in their grace period or in passed groups the other times).
+    assert!(after.sweeps - stats.sweeps > after.rebuilds - grown, "{stats:?} then {after:?}");
+    for k in 5_900..6_000u64 {
+        assert_eq!(p.lookup(&req(k)).blocks(w((k % 4) as u32)), if k >= 5_936 { 8 } else { 0 });
+    }
+    p.check_blocks(&[w(0), w(1), w(2), w(3)]);
+    p.check_counts();
+}
