@@ -248,13 +248,14 @@ pub fn prometheus_text(f: &Follower) -> String {
     let _ = writeln!(out, "# TYPE kv_router_index_bytes gauge\nkv_router_index_bytes {}", f.index().memory_bytes());
     let _ = writeln!(out, "# HELP kv_router_index_dead_slots Dead table slots, reused after a grace period.");
     let _ = writeln!(out, "# TYPE kv_router_index_dead_slots gauge\nkv_router_index_dead_slots {}", stats.tombstones);
-    let index_counters: [(&str, &str, u64); 2] = [
+    let index_counters: [(&str, &str, u64); 3] = [
         (
             "missing_removes",
             "Removed blocks the index did not hold (no-ops: the index and the events disagree).",
             stats.missing_removes,
         ),
         ("rebuilds", "Shard tables rebuilt.", stats.rebuilds),
+        ("sweeps", "Full shard tables that freed their dead slots in place instead of a rebuild.", stats.sweeps),
     ];
     for (name, help, v) in index_counters {
         write_counter(&mut out, &format!("kv_router_index_{name}_total"), help, v);

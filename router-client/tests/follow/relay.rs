@@ -612,6 +612,7 @@ async fn router_http_api_answers_exactly_over_two_relays() {
     assert!(text.contains(&format!("kv_router_index_blocks {}\n", stats.blocks)), "{text}");
     assert!(text.contains("kv_router_index_missing_removes_total 0\n"), "{text}");
     assert!(text.contains(&format!("kv_router_index_rebuilds_total {}\n", stats.rebuilds)), "{text}");
+    assert!(text.contains(&format!("kv_router_index_sweeps_total {}\n", stats.sweeps)), "{text}");
     assert!(text.contains(&format!("kv_router_index_dead_slots {}\n", stats.tombstones)), "{text}");
     assert!(stats.rebuilds > 0, "the tables grew from empty: {stats:?}");
 
