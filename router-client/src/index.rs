@@ -44,8 +44,8 @@
 //! slot, `key = hash`, `val = worker:23 | generation tag:1 | tier:6 | run entry:28 | copies:6`
 //! (counts of 63 and more live in a small overflow map, and the slot says so), plus one
 //! control byte (a 7-bit fingerprint, SwissTable style; seven per 64-bit group word, whose
-//! eighth byte counts inserts that overflowed the group, so probes usually end at the home
-//! group). Block hashes are chained (each encodes its prefix), so the table alone answers a
+//! eighth byte counts the live slots placed past the group, so probes usually end at the
+//! home group). Block hashes are chained (each encodes its prefix), so the table alone answers a
 //! lookup with one probe per request block. A dead slot is reused, for any key, once a grace
 //! period has passed since it died (`table.rs`). When a table reaches 7/8 (live slots plus
 //! dead ones) it first frees the dead slots it can in place (a sweep of its control words,

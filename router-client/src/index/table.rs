@@ -35,7 +35,6 @@
 //!   so such groups exist: every probe ends. A slot that dies lowers the counts of the groups
 //!   it was placed past after its control byte says `DELETED`, so a lookup that stops early
 //!   because of it misses only that slot, which is gone.
-//!
 //! - A dead slot whose ticket has passed, in a group whose overflow count is 0, may become
 //!   `EMPTY` again in place ([`Table::sweep`]): it is reusable anyway, lookups skip `EMPTY`
 //!   and `DELETED` bytes alike and stop by overflow counts alone, and the group keeps "a
@@ -630,7 +629,8 @@ impl Table {
         self.put(p, v, i, reused, Ordering::Relaxed);
     }
 
-    /// Kills the live slot `i`: its value becomes a tomb, its control byte `DELETED`, and the
+    /// Kills the live slot `i` of a key homed at group `home`: its value becomes a tomb, its
+    /// control byte `DELETED`, the groups it was placed past count one slot fewer, and the
     /// tomb then takes a grace ticket, so that the slot is reused for another key only once
     /// every lookup that could have read its live value has ended (module docs). Caller holds
     /// the shard's mutex.
@@ -745,9 +745,9 @@ impl Table {
 
     /// Turns dead slots back into `EMPTY` ones in place, where that is sound: those whose
     /// ticket is below `ended` (every lookup that could have read their live value has left,
-    /// so they are reusable now anyway), in groups whose overflow count is 0 (no insert went
-    /// past them, so an `EMPTY` slot there keeps "a group with an `EMPTY` slot was never
-    /// passed"). Lookups skip `EMPTY` and `DELETED` bytes alike and stop at a group by its
+    /// so they are reusable now anyway), in groups whose overflow count is 0 (no live slot was
+    /// placed past them, so an `EMPTY` slot there keeps "a group with an `EMPTY` slot is passed
+    /// by no live slot"). Lookups skip `EMPTY` and `DELETED` bytes alike and stop at a group by its
     /// overflow count alone, and no key's live slots change, so nothing a lookup reads or
     /// keeps changes meaning. Returns how many slots it freed: each lowers the load a new slot
     /// is checked against, so a table full of dead slots needs no rebuild while enough of them
