@@ -1,5 +1,6 @@
 //! The durable store's cost: commits per second with the history and the snapshot, against a
-//! peer that writes only the history record (the same sled, the same records, in this run); bytes
+//! peer that writes only the history record (the same sled, the same records, in this run) and
+//! one that writes as many sled keys as a commit does with nothing read (sled's floor); bytes
 //! on disk per live block; RSS at a million live blocks; the snapshot's pause; reopen time.
 //!
 //! `cargo bench -p kv-relay --bench store` (full: 1,000,000 live blocks, about a minute);
@@ -119,6 +120,45 @@ fn history_only(dir: &Path, batches: u64) -> Duration {
     start.elapsed()
 }
 
+/// The second peer: per fill batch, as many sled keys as the store's commit writes, of about
+/// their sizes (the history record; 32 live keys of 27 bytes with 89-byte values, as a block
+/// of 16 token ids with a parent encodes; the group totals, namespace count, rank row and
+/// counters as four small keys), with nothing read and nothing encoded but the record: the
+/// floor of a commit that writes one sled key per block.
+fn sled_keys_only(dir: &Path, batches: u64) -> Duration {
+    let db = sled::Config::new().path(dir).cache_capacity(64 << 20).open().unwrap();
+    let t = db.open_tree("data").unwrap();
+    let value = vec![7u8; 89];
+    let start = Instant::now();
+    for i in 0..batches {
+        let rec = Record { cursor: i + 1, incarnation: 1, body: fill_batch(i) };
+        let mut b = sled::Batch::default();
+        let mut hk = vec![b'h'];
+        hk.extend_from_slice(&(i + 1).to_be_bytes());
+        b.insert(hk, rmp_serde::to_vec_named(&rec).unwrap());
+        if i >= 10_000 {
+            let mut old = vec![b'h'];
+            old.extend_from_slice(&(i + 1 - 10_000).to_be_bytes());
+            b.remove(old);
+        }
+        for j in 0..BLOCKS_PER_BATCH {
+            let mut k = vec![b'l'];
+            k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
+            k.extend_from_slice(&[0; 14]);
+            k.extend_from_slice(&mix(i * BLOCKS_PER_BATCH + j).to_be_bytes());
+            b.insert(k, value.clone());
+        }
+        for p in [b's', b'n', b'r', b'c'] {
+            let mut k = vec![p];
+            k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
+            b.insert(k, (i + 1).to_be_bytes().to_vec());
+        }
+        t.apply_batch(b).unwrap();
+    }
+    db.flush().unwrap();
+    start.elapsed()
+}
+
 fn main() {
     let quick = std::env::var_os("KV_RELAY_BENCH_QUICK").is_some();
     let live_target: u64 = if quick { 20_000 } else { 1_000_000 };
@@ -131,6 +171,9 @@ fn main() {
     let peer = history_only(&root.path().join("peer"), fill);
     let peer_bps = per_sec(fill, peer);
     std::fs::remove_dir_all(root.path().join("peer")).unwrap();
+    let keys_peer = sled_keys_only(&root.path().join("peer2"), fill);
+    let keys_bps = per_sec(fill, keys_peer);
+    std::fs::remove_dir_all(root.path().join("peer2")).unwrap();
 
     let dir = root.path().join("store");
     let store = Store::open(StoreConfig::new(&dir)).unwrap();
@@ -199,6 +242,11 @@ fn main() {
     println!("| fill: block ops/s | {:.0} |", fill_bps * BLOCKS_PER_BATCH as f64);
     println!("| peer, history record only: batches/s | {peer_bps:.0} |");
     println!("| fill vs peer (cost of the snapshot update) | {:.2}x the peer's time |", peer_bps / fill_bps);
+    println!("| peer 2, the same number of sled keys written, nothing read: batches/s | {keys_bps:.0} |");
+    println!(
+        "| fill vs peer 2 (the store's own work over sled's writes) | {:.2}x peer 2's time |",
+        keys_bps / fill_bps
+    );
     println!("| churn at {} live: batches/s (16 stores + 16 removals) | {churn_bps:.0} |", live.blocks);
     println!("| churn: block ops/s | {:.0} |", churn_bps * BLOCKS_PER_BATCH as f64);
     println!("| churn, 10 batches per commit_many: batches/s | {many_bps:.0} ({:.2}x single) |", many_bps / churn_bps);
