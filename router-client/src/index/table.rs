@@ -918,14 +918,20 @@ mod tests {
         t.ctrl.iter().map(|w| w.load(Ordering::Relaxed) >> OVERFLOW_SHIFT).collect()
     }
 
-    #[test]
-    fn an_overflow_count_is_the_number_of_live_slots_placed_past_its_group() {
+    /// A table sized for 1,000 entries holding keys `0..900` for `h`, key `k` with entry `k`.
+    fn nine_hundred(h: u64) -> (Table, Overflow, Grace) {
         let t = Table::for_entries(1000);
         let (o, g) = (Overflow::default(), Grace::default());
-        let h = holder(2, 0, 1);
         for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || 0, &o, 0), Added::Done { .. }));
+            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
         }
+        (t, o, g)
+    }
+
+    #[test]
+    fn an_overflow_count_is_the_number_of_live_slots_placed_past_its_group() {
+        let h = holder(2, 0, 1);
+        let (t, o, g) = nine_hundred(h);
         // Recount from the slots themselves: every live slot adds 1 to each group from its
         // key's home up to its own.
         let expected = |t: &Table| {
@@ -945,13 +951,13 @@ mod tests {
         assert_eq!(before, expected(&t));
         // Every other key dies: the counts fall with the slots that went past.
         for k in (0..900u64).step_by(2) {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: 0 });
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
         }
         assert_eq!(counts(&t), expected(&t));
         assert!(counts(&t).iter().sum::<u64>() < before.iter().sum::<u64>());
         // All of them: no group is passed any more, and every probe ends at its home group.
         for k in (1..900u64).step_by(2) {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: 0 });
+            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
         }
         assert_eq!(counts(&t), vec![0; t.ctrl.len()]);
         assert_eq!((t.live(), t.tombs()), (0, 900));
@@ -959,12 +965,8 @@ mod tests {
 
     #[test]
     fn a_sweep_frees_only_ripe_dead_slots_of_groups_no_live_slot_went_past() {
-        let t = Table::for_entries(1000);
-        let (o, g) = (Overflow::default(), Grace::default());
         let h = holder(5, 1, 0);
-        for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
-        }
+        let (t, o, g) = nine_hundred(h);
         for k in 0..300u64 {
             assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
         }
