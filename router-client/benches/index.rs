@@ -45,7 +45,10 @@
 //! applies the events and does one lookup every 8 events; ops/s counts only the apply time.
 //! Memory: the allocator's live bytes after the stream, minus before the peer was built
 //! (events a peer consumes are freed by then). Per distinct block (live hashes held by any
-//! worker) and per (worker, block) pair, both from the simulation's final state.
+//! worker) and per (worker, block) pair, both from the simulation's final state. Each peer's
+//! part of a run starts with a reading of the core (`Cores`: this machine's vCPUs are slowed
+//! from outside at times), printed with its row; the ratios are also given over the runs
+//! where both parts read an undisturbed core.
 
 use std::alloc::System;
 use std::collections::{BTreeSet, HashMap, VecDeque};
