@@ -230,7 +230,8 @@ pub struct RemoveOutcome {
 pub struct IndexStats {
     /// `(worker, tier, hash)` keys with copies > 0.
     pub blocks: usize,
-    /// Dead slots (reused after a grace period, or dropped by a rebuild).
+    /// Dead slots (reused after a grace period, freed in place by a sweep, or dropped by a
+    /// rebuild).
     pub tombstones: usize,
     /// Slots allocated over all shards.
     pub slots: usize,
