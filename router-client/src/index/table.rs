@@ -254,6 +254,12 @@ fn next_group(g: usize, groups: usize) -> usize {
     }
 }
 
+/// Bit 7 of each `DELETED` slot control byte of `word`: those bytes have bits 7 and 6 set,
+/// `EMPTY` ones bit 7 alone, fingerprints not bit 7.
+fn dead_bytes(word: u64) -> u64 {
+    word & HI & (word << 1)
+}
+
 /// True when some insert went past this group: a probe must look at the next group too.
 fn overflowed(word: u64) -> bool {
     word >> OVERFLOW_SHIFT != 0
@@ -582,8 +588,7 @@ impl Table {
         let mut g = p.home(groups);
         loop {
             let word = self.ctrl[g].load(Ordering::Relaxed);
-            // `DELETED` bytes have bit 6 set, `EMPTY` ones do not.
-            let mut dead = word & HI & (word << 1);
+            let mut dead = dead_bytes(word);
             while dead != 0 {
                 let i = g * GROUP + (dead.trailing_zeros() / 8) as usize;
                 dead &= dead - 1;
@@ -604,16 +609,8 @@ impl Table {
     /// key and value, then publishes the control byte (`publish`). Caller holds the shard's
     /// mutex (or owns the table) and checked the load limit.
     fn put(&self, p: &Probe, v: u64, i: usize, reused: bool, publish: Ordering) {
-        let groups = self.ctrl.len();
         let at = i / GROUP;
-        let mut g = p.home(groups);
-        while g != at {
-            let word = self.ctrl[g].load(Ordering::Relaxed);
-            if word >> OVERFLOW_SHIFT != 0xff {
-                self.ctrl[g].store(word + (1 << OVERFLOW_SHIFT), publish);
-            }
-            g = next_group(g, groups);
-        }
+        self.passed(p.home(self.ctrl.len()), at, true, publish);
         let slot = &self.slots[i];
         slot.key.store(p.hash, Ordering::Relaxed);
         slot.val.store(v, Ordering::Relaxed);
@@ -640,23 +637,25 @@ impl Table {
         let (g, byte) = (i / GROUP, 8 * (i % GROUP));
         let word = self.ctrl[g].load(Ordering::Relaxed);
         self.ctrl[g].store((word & !(0xff << byte)) | ((DELETED as u64) << byte), Ordering::Release);
-        self.unpass(home, g);
+        self.passed(home, g, false, Ordering::Release);
         slot.val.store(tomb(grace.ticket()), Ordering::Relaxed);
         self.counts.add(-1, 1);
     }
 
-    /// Lowers the overflow count of every group from `home` up to (not including) `at`: a
-    /// slot homed at `home` that [`Table::put`] placed in group `at` died. A saturated count
-    /// stays (it no longer knows how many slots went past). Caller holds the shard's mutex.
-    fn unpass(&self, home: usize, at: usize) {
+    /// Raises (`up`) or lowers the overflow count of every group from `home` up to (not
+    /// including) `at`: a slot homed at `home` is placed in group `at` ([`Table::put`]), or
+    /// that slot died ([`Table::kill`]). A saturated count stays (it no longer knows how many
+    /// slots went past). Caller holds the shard's mutex (or owns the table).
+    fn passed(&self, home: usize, at: usize, up: bool, order: Ordering) {
         let groups = self.ctrl.len();
         let mut g = home;
         while g != at {
             let word = self.ctrl[g].load(Ordering::Relaxed);
             let count = word >> OVERFLOW_SHIFT;
-            debug_assert!(count > 0, "a group a live slot went past has a count");
+            debug_assert!(up || count > 0, "a group a live slot went past has a count");
             if count != 0xff {
-                self.ctrl[g].store(word - (1 << OVERFLOW_SHIFT), Ordering::Release);
+                let one = 1 << OVERFLOW_SHIFT;
+                self.ctrl[g].store(if up { word + one } else { word - one }, order);
             }
             g = next_group(g, groups);
         }
@@ -756,7 +755,7 @@ impl Table {
         let mut freed = 0;
         for (g, ctrl) in self.ctrl.iter().enumerate() {
             let word = ctrl.load(Ordering::Relaxed);
-            let mut dead = word & HI & (word << 1);
+            let mut dead = dead_bytes(word);
             if dead == 0 || overflowed(word) {
                 continue;
             }
@@ -983,7 +982,7 @@ mod tests {
             .iter()
             .map(|w| w.load(Ordering::Relaxed))
             .filter(|&w| !overflowed(w))
-            .map(|w| (w & HI & (w << 1)).count_ones() as usize)
+            .map(|w| dead_bytes(w).count_ones() as usize)
             .sum();
         let passed = counts(&t);
         assert!(free > 0 && free < 300, "the test should keep some dead slots in passed groups: {free}");
@@ -992,7 +991,7 @@ mod tests {
         assert_eq!(counts(&t), passed, "a sweep changes no count");
         // The freed slots are EMPTY; dead ones are left only where a live slot went past.
         for w in t.ctrl.iter().map(|w| w.load(Ordering::Relaxed)) {
-            let dead = (w & HI & (w << 1)).count_ones();
+            let dead = dead_bytes(w).count_ones();
             assert!(dead == 0 || overflowed(w), "{w:016x}");
         }
         // Every key is what it was: the dead ones gone, the live ones found once, with their entry.
