@@ -1,4 +1,5 @@
-//! Lookups racing snapshot swaps see exactly the old or the new state of the swapped worker.
+//! Lookups racing snapshot swaps see exactly the old or the new state of the swapped worker;
+//! lookups racing writers, and writers racing each other, leave every answer exact.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -108,4 +109,56 @@ fn lookups_during_incremental_writes_of_other_workers_stay_exact_for_a_static_on
         assert_eq!((m.blocks, m.tier(TierId::HOST)), (17, 17));
     }
     writer.stop();
+}
+
+#[test]
+fn writers_of_different_workers_on_the_same_shards_leave_the_index_exact() {
+    // Four writer threads, one worker each, store and remove the same chains: every block's
+    // key is in one of two shards, so the writers meet on the shards' locks and tables (their
+    // growth, sweeps and rebuilds). Each worker's final state depends only on its own
+    // operations, so it must equal theirs applied in order to the reference.
+    const WRITERS: u32 = 4;
+    const OPS: u64 = 3_000;
+    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
+    let ops = |wk: u32, i: u64| -> (Vec<u64>, Option<Vec<u64>>) {
+        let stored = seq((i + wk as u64) % 40, 48);
+        let removed = (i % 3 == 2).then(|| seq((i + 1) % 40, 48));
+        (stored, removed)
+    };
+    let threads: Vec<_> = (0..WRITERS)
+        .map(|wk| {
+            let index = index.clone();
+            std::thread::spawn(move || {
+                for i in 0..OPS {
+                    let (stored, removed) = ops(wk, i);
+                    index.store_after(w(1 + wk), TierId::DEVICE, None, &stored);
+                    if let Some(r) = removed {
+                        index.remove(w(1 + wk), TierId::DEVICE, &r);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("a writer thread panicked");
+    }
+    let mut reference = ReferenceIndex::new();
+    for wk in 0..WRITERS {
+        for i in 0..OPS {
+            let (stored, removed) = ops(wk, i);
+            reference.store(w(1 + wk), TierId::DEVICE, &stored);
+            if let Some(r) = removed {
+                reference.remove(w(1 + wk), TierId::DEVICE, &r);
+            }
+        }
+    }
+    for wk in 0..WRITERS {
+        assert_eq!(index.blocks(w(1 + wk)), reference.blocks(w(1 + wk)), "blocks of worker {}", 1 + wk);
+    }
+    let stats = index.stats();
+    assert_eq!((stats.blocks, stats.missing_removes), (reference.len(), reference.missing_removes()));
+    for root in 0..40 {
+        let request = seq(root, 48);
+        assert_eq!(index.lookup(&request), reference.lookup(&request), "lookup of chain {root}");
+    }
 }
