@@ -19,8 +19,8 @@
 //! 8 events), `--reference` (add the reference with Dynamo on),
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
 //! stream applied `--runs` times with its rate and no lookups, then lookups over the final
-//! index `--lookup-runs` times (default `--runs`), with percentiles by match depth; for
-//! profiling; with `--resync`, also every worker's final state swapped into new indexes by
+//! index `--lookup-runs` times (default `--runs`), with percentiles by match depth and by how
+//! many workers matched past block 0; for profiling; with `--resync`, also every worker's final state swapped into new indexes by
 //! `replace_worker`, without and with the blocks' parents, and the lookups over both; with
 //! `--hot`, the lookup's own CPU: one request looked up again and again, everything in cache,
 //! for three requests of each kind).
@@ -666,7 +666,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 /// into a new index, timed: the apply rate with no lookups), then the lookups run
 /// `lookup_reps` times over the last index, with no writer beside them: latency percentiles
 /// (each with the lookup's length, deepest match, workers matched and (worker, block) pairs
-/// matched), and mean latency by depth of the deepest match. For profiling.
+/// matched), mean latency by depth of the deepest match, and by how many workers matched past
+/// block 0 (how many runs the lookup followed) with the share of them at or over the p99. For
+/// profiling.
 fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
     // The stream applied `reps` times, each into a new index (the last one is looked up).
     let mut rates = Vec::new();
@@ -688,8 +690,9 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
         );
     }
     println!("  apply median of {reps}: {:.0} ops/s", median(rates));
-    // (ns, request length, deepest match, workers, matched (worker, block) pairs)
-    let mut rows: Vec<(u64, usize, u32, usize, u64)> = Vec::new();
+    // (ns, request length, deepest match, workers, matched (worker, block) pairs, workers
+    // matching more than block 0)
+    let mut rows: Vec<(u64, usize, u32, usize, u64, usize)> = Vec::new();
     let mut r = LookupResult::default();
     for _ in 0..lookup_reps {
         for q in &w.lookups {
@@ -698,7 +701,8 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
             let ns = t0.elapsed().as_nanos() as u64;
             let pairs: u64 = r.iter().map(|m| m.blocks as u64).sum();
             let depth = r.iter().map(|m| m.blocks).max().unwrap_or(0);
-            rows.push((ns, q.len(), depth, r.len(), pairs));
+            let past_first = r.iter().filter(|m| m.blocks > 1).count();
+            rows.push((ns, q.len(), depth, r.len(), pairs, past_first));
         }
     }
     rows.sort_unstable();
@@ -709,17 +713,37 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
         _ => println!("  {n} lookups, mean {} ns", total / n as u64),
     }
     for p in [0.5, 0.9, 0.99, 0.999].into_iter().filter(|_| n > 0) {
-        let (ns, len, depth, workers, pairs) = rows[((n - 1) as f64 * p) as usize];
+        let (ns, len, depth, workers, pairs, _) = rows[((n - 1) as f64 * p) as usize];
         println!("  p{p}: {ns} ns (length {len}, depth {depth}, {workers} workers, {pairs} matched pairs)");
     }
     let mut by_depth = std::collections::BTreeMap::new();
-    for &(ns, _, depth, _, _) in &rows {
+    for &(ns, _, depth, _, _, _) in &rows {
         let e = by_depth.entry(depth / 25 * 25).or_insert((0usize, 0u64));
         e.0 += 1;
         e.1 += ns;
     }
     for (d, (c, ns)) in by_depth {
         println!("  depth {d:>4}..{:<4} {c:>8} lookups, mean {} ns", d + 24, ns / c as u64);
+    }
+    // By how many workers' runs the lookup followed past block 0: how many lookups, their
+    // mean, and how many of them are at or over the p99.
+    if n > 0 {
+        let p99 = rows[((n - 1) as f64 * 0.99) as usize].0;
+        let mut by_followed = std::collections::BTreeMap::new();
+        for &(ns, _, _, _, _, past_first) in &rows {
+            let e = by_followed.entry(past_first.min(3)).or_insert((0usize, 0u64, 0usize));
+            e.0 += 1;
+            e.1 += ns;
+            e.2 += (ns >= p99) as usize;
+        }
+        for (k, (c, ns, slow)) in by_followed {
+            let label = if k == 3 { "3 or more".to_string() } else { k.to_string() };
+            println!(
+                "  workers matching past block 0: {label:>9}: {c:>8} lookups, mean {} ns, {slow} at or over the p99 ({:.1}% of them)",
+                ns / c as u64,
+                100.0 * slow as f64 / c as f64
+            );
+        }
     }
     println!("  {:?}, {} B", index.stats(), index.memory_bytes());
     if std::env::args().any(|a| a == "--hot") {
