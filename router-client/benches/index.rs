@@ -20,10 +20,10 @@
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
 //! stream applied `--runs` times with its rate and no lookups, then lookups over the final
 //! index `--lookup-runs` times (default `--runs`), with percentiles by match depth and by how
-//! many workers matched past block 0; for profiling; with `--resync`, also every worker's final state swapped into new indexes by
-//! `replace_worker`, without and with the blocks' parents, and the lookups over both; with
-//! `--hot`, the lookup's own CPU: one request looked up again and again, everything in cache,
-//! for three requests of each kind).
+//! many workers matched past block 0; for profiling; with `--resync`, also every worker's
+//! final state swapped into new indexes by `replace_worker`, without and with the blocks'
+//! parents, and the lookups over both; with `--hot`, the lookup's own CPU: one request looked
+//! up again and again, everything in cache, for three requests of each kind).
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request

@@ -123,15 +123,15 @@
 //! mix. `clear(worker, None)` and `remove_worker` are replaces with an empty state, so they are
 //! atomic too.
 //!
-//! **Writers** serialise per shard (a spin lock per shard, `ShardLock`), per holder (a striped lock over the
-//! holders' page cursors) and, for replaces, on one swap lock; a per-worker stripe lock keeps
-//! incremental writes of a worker out of its replace. A writer asks for each block's home
-//! group eight blocks before it writes it (prefetch hints, `prefetch.rs`), so the next blocks'
-//! misses overlap its work on this one: a shard's lock, taken per block, waits for every
-//! plain load before it, so loads could not. It asks for them owned (a write hint), so that a
-//! line a lookup thread read is taken from that core before the lock's locked instruction
-//! waits for the store to it. The lock is released with a plain store, which waits for
-//! nothing.
+//! **Writers** serialise per shard (a spin lock per shard, `ShardLock`), per holder (a striped
+//! lock over the holders' page cursors) and, for replaces, on one swap lock; a per-worker stripe
+//! lock keeps incremental writes of a worker out of its replace. A writer asks for each block's
+//! home group eight blocks before it writes it (prefetch hints, `prefetch.rs`), so the next
+//! blocks' misses overlap its work on this one: a shard's lock, taken per block, waits for
+//! every plain load before it, so loads could not. It asks for them owned (a write hint), so
+//! that a line a lookup thread read is taken from that core before the lock's locked
+//! instruction waits for the store to it. The lock is released with a plain store, which waits
+//! for nothing.
 //! Incremental operations are atomic per block, not per call: a lookup racing a
 //! `store(w, t, [a, b])`, a `remove` or a `clear(w, Some(tier))` may see part of it.
 //!
