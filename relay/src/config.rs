@@ -55,6 +55,10 @@ pub struct Args {
     /// History bound in bytes.
     #[arg(long, env = "KV_RELAY_HISTORY_BYTES", default_value_t = 256 << 20)]
     pub history_bytes: u64,
+    /// The store's page cache (sled's), in bytes: most of the relay's memory beyond the
+    /// history's in-memory tail.
+    #[arg(long, env = "KV_RELAY_STORE_CACHE_BYTES", default_value_t = 64 << 20)]
+    pub store_cache_bytes: u64,
     /// The gRPC listen address.
     #[arg(long, env = "KV_RELAY_LISTEN", default_value = "127.0.0.1:50051")]
     pub listen: SocketAddr,
@@ -164,6 +168,7 @@ pub struct Config {
     pub state_dir: PathBuf,
     pub history_batches: u64,
     pub history_bytes: u64,
+    pub store_cache_bytes: u64,
     pub listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     pub json_logs: bool,
@@ -225,6 +230,9 @@ impl Args {
         if self.history_bytes < 1 << 20 {
             return Err(bad("history-bytes", "must be at least 1 MiB"));
         }
+        if self.store_cache_bytes < 1 << 20 {
+            return Err(bad("store-cache-bytes", "must be at least 1 MiB"));
+        }
         if self.queue == 0 {
             return Err(bad("queue", "must be at least 1"));
         }
@@ -267,6 +275,7 @@ impl Args {
             state_dir,
             history_batches: self.history_batches,
             history_bytes: self.history_bytes,
+            store_cache_bytes: self.store_cache_bytes,
             listen: self.listen,
             metrics_listen,
             json_logs,
@@ -388,7 +397,7 @@ mod tests {
         assert_eq!(c.ingest.dp_ranks, vec![0]);
         assert_eq!(c.listen, "127.0.0.1:50051".parse().unwrap());
         assert_eq!(c.metrics_listen, Some("127.0.0.1:9464".parse().unwrap()));
-        assert_eq!((c.history_batches, c.history_bytes), (10_000, 256 << 20));
+        assert_eq!((c.history_batches, c.history_bytes, c.store_cache_bytes), (10_000, 256 << 20, 64 << 20));
         assert_eq!(c.load_poll, Duration::from_millis(250));
         assert_eq!(c.heartbeat, Duration::from_secs(1));
     }

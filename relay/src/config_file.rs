@@ -146,6 +146,7 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("state_dir", "state_dir", "state-dir"),
     ("history_batches", "history_batches", "history-batches"),
     ("history_bytes", "history_bytes", "history-bytes"),
+    ("store_cache_bytes", "store_cache_bytes", "store-cache-bytes"),
     ("listen", "listen", "listen"),
     ("metrics_listen", "metrics_listen", "metrics-listen"),
     ("queue", "queue", "queue"),
@@ -228,6 +229,7 @@ fn set(args: &mut Args, id: &str, setting: &'static str, at: &At<'_>, v: &Value)
         "state_dir" => args.state_dir = Some(path()?),
         "history_batches" => args.history_batches = uint(u64::MAX)?,
         "history_bytes" => args.history_bytes = uint(u64::MAX)?,
+        "store_cache_bytes" => args.store_cache_bytes = uint(u64::MAX)?,
         "listen" => {
             let s = string()?;
             args.listen = s.parse::<SocketAddr>().map_err(|_| ConfigError {
@@ -302,6 +304,7 @@ pub fn effective_toml(c: &Config) -> String {
     let _ = writeln!(o, "state_dir = {}", p(&c.state_dir));
     let _ = writeln!(o, "history_batches = {}", c.history_batches);
     let _ = writeln!(o, "history_bytes = {}", c.history_bytes);
+    let _ = writeln!(o, "store_cache_bytes = {}", c.store_cache_bytes);
     let _ = writeln!(o, "listen = {}", q(&c.listen.to_string()));
     let metrics = c.metrics_listen.map_or_else(|| "off".to_string(), |a| a.to_string());
     let _ = writeln!(o, "metrics_listen = {}", q(&metrics));

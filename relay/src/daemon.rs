@@ -58,6 +58,7 @@ pub async fn run(
 ) -> Result<(), DaemonError> {
     let store = Store::open(StoreConfig {
         limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
+        cache_bytes: cfg.store_cache_bytes,
         ..StoreConfig::new(cfg.state_dir.clone())
     })?;
     if cfg.ingest.replay_endpoint.is_none() {

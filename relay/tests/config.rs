@@ -114,6 +114,8 @@ fn layered() -> Vec<Layered> {
            "--history-batches" = "40000", default "10000", |c| c.history_batches.to_string()),
         l!("history_bytes" = "2097152" => "2097152", "KV_RELAY_HISTORY_BYTES" = "3145728",
            "--history-bytes" = "4194304", default "268435456", |c| c.history_bytes.to_string()),
+        l!("store_cache_bytes" = "8388608" => "8388608", "KV_RELAY_STORE_CACHE_BYTES" = "16777216",
+           "--store-cache-bytes" = "33554432", default "67108864", |c| c.store_cache_bytes.to_string()),
         l!("listen" = "\"0.0.0.0:50061\"" => "0.0.0.0:50061", "KV_RELAY_LISTEN" = "0.0.0.0:50062",
            "--listen" = "0.0.0.0:50063", default "127.0.0.1:50051", |c| c.listen.to_string()),
         l!("metrics_listen" = "\"off\"" => "None", "KV_RELAY_METRICS_LISTEN" = "0.0.0.0:9465",
@@ -223,9 +225,9 @@ fn an_unknown_key_is_rejected_by_name() {
         e.why,
         format!(
             "{file}: unknown key `histroy_batches` (known keys: endpoint, replay_endpoint, dp_size, dp_ranks, topic, \
-             engine_metrics_url, load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, listen, \
-             metrics_listen, queue, replay_timeout_ms, tail_probe_ms, log_format, hash_check, hash_engine, \
-             hash_engine_version, hash_algo, hash_seed, hash_sample, and the [server] table)"
+             engine_metrics_url, load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, \
+             store_cache_bytes, listen, metrics_listen, queue, replay_timeout_ms, tail_probe_ms, log_format, \
+             hash_check, hash_engine, hash_engine_version, hash_algo, hash_seed, hash_sample, and the [server] table)"
         )
     );
     let file = env.config("[server]\ntoken = \"hunter2\"\n");
@@ -270,6 +272,7 @@ fn each_bad_setting_names_itself() {
         ("state_dir = 7".into(), "state-dir"),
         ("history_batches = 0".into(), "history-batches"),
         ("history_bytes = 1000".into(), "history-bytes"),
+        ("store_cache_bytes = 1000".into(), "store-cache-bytes"),
         ("listen = \"everywhere\"".into(), "listen"),
         ("metrics_listen = \"nowhere\"".into(), "metrics-listen"),
         ("queue = 0".into(), "queue"),
