@@ -49,6 +49,15 @@ pub struct Running {
     pub listen: std::net::SocketAddr,
 }
 
+/// The store's settings from the relay's: its directory, history bounds and page cache.
+fn store_config(cfg: &Config) -> StoreConfig {
+    StoreConfig {
+        limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
+        cache_bytes: cfg.store_cache_bytes,
+        ..StoreConfig::new(cfg.state_dir.clone())
+    }
+}
+
 /// Runs the relay until `shutdown` completes. `on_ready` is called once the store is open and
 /// the listener bound (systemd's READY=1).
 pub async fn run(
@@ -56,11 +65,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     on_ready: impl FnOnce(Running) + Send,
 ) -> Result<(), DaemonError> {
-    let store = Store::open(StoreConfig {
-        limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
-        cache_bytes: cfg.store_cache_bytes,
-        ..StoreConfig::new(cfg.state_dir.clone())
-    })?;
+    let store = Store::open(store_config(&cfg))?;
     if cfg.ingest.replay_endpoint.is_none() {
         tracing::warn!(
             "no replay endpoint configured: batches the relay misses cannot be refilled, and a restarted relay \
@@ -402,5 +407,34 @@ async fn heartbeat_loop(
                 let _ = notices.send(Notice::Heartbeat { dp_rank: rank, load });
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[test]
+    fn the_store_gets_the_relays_directory_bounds_and_cache() {
+        let cfg = crate::config::Args::try_parse_from([
+            "kv-relay",
+            "--state-dir",
+            "/var/lib/kv-relay/a",
+            "--history-batches",
+            "500",
+            "--history-bytes",
+            "2097152",
+            "--store-cache-bytes",
+            "8388608",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        let s = store_config(&cfg);
+        assert_eq!(s.dir, std::path::PathBuf::from("/var/lib/kv-relay/a"));
+        assert_eq!(s.limits, HistoryLimits { max_batches: 500, max_bytes: 2 << 20 });
+        assert_eq!(s.cache_bytes, 8 << 20);
+        assert_eq!(s.recent, StoreConfig::new("/var/lib/kv-relay/a").recent);
     }
 }
