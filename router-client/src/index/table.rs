@@ -783,7 +783,7 @@ impl Table {
         self.live() * 4 < self.capacity() * 3
     }
 
-    /// The fewest slots a sweep must free for the table to be kept: a thirty-second of it, so
+    /// The fewest slots a sweep must free for the table to be kept: a sixty-fourth of it, so
     /// that a table whose dead slots mostly sit in overflowed groups is rebuilt, not swept
     /// again at every insert.
     pub fn sweep_enough(&self) -> usize {
