@@ -101,23 +101,32 @@ fn per_sec(n: u64, d: Duration) -> f64 {
     n as f64 / d.as_secs_f64()
 }
 
-/// The peer: the same records written to sled as the history alone (one key per record, the
-/// oldest removed past 10,000), no snapshot, no totals.
-fn history_only(dir: &Path, batches: u64) -> Duration {
+/// Writes the fill's records to a fresh sled at `dir`, one batch per record: the record under
+/// `prefix ++ cursor` in tree `tree`, the record 10,000 before it removed, and whatever `extra`
+/// adds for record `i`. The peers below differ only in the tree, the prefix and `extra`.
+fn sled_peer(dir: &Path, batches: u64, tree: &str, prefix: &[u8], extra: impl Fn(u64, &mut sled::Batch)) -> Duration {
     let db = sled::Config::new().path(dir).cache_capacity(64 << 20).open().unwrap();
-    let t = db.open_tree("history").unwrap();
+    let t = db.open_tree(tree).unwrap();
+    let key = |cursor: u64| [prefix, &cursor.to_be_bytes()].concat();
     let start = Instant::now();
     for i in 0..batches {
         let rec = Record { cursor: i + 1, incarnation: 1, body: fill_batch(i) };
         let mut b = sled::Batch::default();
-        b.insert(&(i + 1).to_be_bytes()[..], rmp_serde::to_vec_named(&rec).unwrap());
+        b.insert(key(i + 1), rmp_serde::to_vec_named(&rec).unwrap());
         if i >= 10_000 {
-            b.remove(&(i + 1 - 10_000).to_be_bytes()[..]);
+            b.remove(key(i + 1 - 10_000));
         }
+        extra(i, &mut b);
         t.apply_batch(b).unwrap();
     }
     db.flush().unwrap();
     start.elapsed()
+}
+
+/// The peer: the same records written to sled as the history alone (one key per record, the
+/// oldest removed past 10,000), no snapshot, no totals.
+fn history_only(dir: &Path, batches: u64) -> Duration {
+    sled_peer(dir, batches, "history", b"", |_, _| {})
 }
 
 /// The second peer: per fill batch, as many sled keys as the store's commit writes, of about
@@ -126,21 +135,8 @@ fn history_only(dir: &Path, batches: u64) -> Duration {
 /// counters as four small keys), with nothing read and nothing encoded but the record: the
 /// floor of a commit that writes one sled key per block.
 fn sled_keys_only(dir: &Path, batches: u64) -> Duration {
-    let db = sled::Config::new().path(dir).cache_capacity(64 << 20).open().unwrap();
-    let t = db.open_tree("data").unwrap();
     let value = vec![7u8; 89];
-    let start = Instant::now();
-    for i in 0..batches {
-        let rec = Record { cursor: i + 1, incarnation: 1, body: fill_batch(i) };
-        let mut b = sled::Batch::default();
-        let mut hk = vec![b'h'];
-        hk.extend_from_slice(&(i + 1).to_be_bytes());
-        b.insert(hk, rmp_serde::to_vec_named(&rec).unwrap());
-        if i >= 10_000 {
-            let mut old = vec![b'h'];
-            old.extend_from_slice(&(i + 1 - 10_000).to_be_bytes());
-            b.remove(old);
-        }
+    sled_peer(dir, batches, "data", b"h", |i, b| {
         for j in 0..BLOCKS_PER_BATCH {
             let mut k = vec![b'l'];
             k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
@@ -153,10 +149,7 @@ fn sled_keys_only(dir: &Path, batches: u64) -> Duration {
             k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
             b.insert(k, (i + 1).to_be_bytes().to_vec());
         }
-        t.apply_batch(b).unwrap();
-    }
-    db.flush().unwrap();
-    start.elapsed()
+    })
 }
 
 fn main() {
