@@ -712,8 +712,10 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
         0 => println!("  no lookups (--lookup-runs 0)"),
         _ => println!("  {n} lookups, mean {} ns", total / n as u64),
     }
+    // The row at percentile `p` (rows are sorted by time).
+    let at = |p: f64| rows[((n - 1) as f64 * p) as usize];
     for p in [0.5, 0.9, 0.99, 0.999].into_iter().filter(|_| n > 0) {
-        let (ns, len, depth, workers, pairs, _) = rows[((n - 1) as f64 * p) as usize];
+        let (ns, len, depth, workers, pairs, _) = at(p);
         println!("  p{p}: {ns} ns (length {len}, depth {depth}, {workers} workers, {pairs} matched pairs)");
     }
     let mut by_depth = std::collections::BTreeMap::new();
@@ -728,7 +730,7 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
     // By how many workers' runs the lookup followed past block 0: how many lookups, their
     // mean, and how many of them are at or over the p99.
     if n > 0 {
-        let p99 = rows[((n - 1) as f64 * 0.99) as usize].0;
+        let p99 = at(0.99).0;
         let mut by_followed = std::collections::BTreeMap::new();
         for &(ns, _, _, _, _, past_first) in &rows {
             let e = by_followed.entry(past_first.min(3)).or_insert((0usize, 0u64, 0usize));
