@@ -101,7 +101,14 @@
 //! a lookup keeps what it read only if the version was even and the same before and after
 //! reading the holders (`table.rs`, Versions of crowded keys, with the argument); a rebuilt
 //! table has a new id; the tags a lookup counts depend only on the swap sequence. The kept
-//! candidates are therefore exactly what reading the table would give. Block 0's holders are sorted by a radix sort on the worker id when there are many,
+//! candidates are therefore exactly what reading the table would give. A crowded first block
+//! changes holders often (a new request's worker stores it, an eviction drops it), and reading
+//! a hundred holders again cost ten times a lookup that kept them: in the 128-worker Mooncake
+//! bench about 1% of the lookups did, and they were nearly all of those at or over the p99.
+//! So each version counter also keeps its last change (the key, the holder, born or dead), and
+//! a lookup whose kept candidates are exactly one change old applies it to them (a candidate
+//! added, a tier bit set or cleared, a candidate dropped) instead of reading the holders; it
+//! reads them when more changes came, or when fewer than eight slots would be left. Block 0's holders are sorted by a radix sort on the worker id when there are many,
 //! and a candidate's tier runs are kept with it, so ending a candidate writes nothing else.
 //!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
@@ -359,7 +366,7 @@ impl std::fmt::Debug for PrefixIndex {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Candidate {
     worker: u32,
     /// The tag this lookup counts for the worker.
@@ -376,6 +383,13 @@ struct Candidate {
     /// Runs of tiers that ended before the candidate did: the head of a list in
     /// `Scratch::runs` (`NO_RUN` if none).
     ended: u32,
+}
+
+impl Candidate {
+    /// A worker holding block 0 in `tiers` under `tag`, before any later block.
+    fn new(worker: u32, tag: u64, tiers: u64) -> Self {
+        Candidate { worker, tag, alive: tiers, seen: 0, seen_at: 0, blocks: 0, done: false, ended: NO_RUN }
+    }
 }
 
 /// Not a candidate (see `Memo::by_worker`).
@@ -412,6 +426,9 @@ struct Scratch {
     /// The lookup started from kept candidates: the result already lists every candidate as
     /// ending at block 1, and `candidates` are only those that may go on.
     patch: bool,
+    /// Kept candidates brought up to date by a key's last change instead of read again
+    /// (`PrefixIndex::catch_up`), in this thread.
+    caught_up: u64,
 }
 
 /// Block 0's candidates as a lookup computed them (before any later block), valid while the
@@ -423,6 +440,8 @@ struct Scratch {
 #[derive(Default)]
 struct Memo {
     at: (u64, u64, u64),
+    /// Live slots of the key (every worker, tag and tier): at least [`MEMO_HOLDERS`].
+    slots: usize,
     candidates: Vec<Candidate>,
     /// By worker id: the worker's index in `candidates` (`NO_CANDIDATE` if none); empty when
     /// the ids are sparse (then a binary search of `candidates` finds them). A lookup finds
@@ -439,6 +458,63 @@ impl Memo {
     fn is(&self, table: u64, version: u64, seq: u64) -> bool {
         self.at == (table, version, seq)
     }
+
+    /// Builds `by_worker` and `result` from `candidates`.
+    fn index(&mut self) {
+        self.by_worker.clear();
+        // Only when the workers' ids are dense enough to cost at most 16 bytes per candidate
+        // (ids are interned in order, so the holders of a popular block usually are).
+        let top = self.candidates.last().map_or(0, |c| c.worker as usize + 1);
+        if top <= 4 * self.candidates.len() {
+            self.by_worker.resize(top, NO_CANDIDATE);
+            for (k, c) in self.candidates.iter().enumerate() {
+                self.by_worker[c.worker as usize] = k as u32;
+            }
+        }
+        self.result.clear();
+        for c in &self.candidates {
+            let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
+            self.result.push(worker, 1, tier_runs(c.alive, 1));
+        }
+    }
+
+    /// Applies one change of the key's slots (`holder`'s slot born or dead) to the candidates,
+    /// `visible` giving the tag the lookups of this memo count for a worker. False if the
+    /// candidates cannot be kept: fewer than [`MEMO_HOLDERS`] slots would be left, or the
+    /// change does not fit them (never, while the versions are right).
+    fn apply(&mut self, holder: u64, born: bool, visible: impl FnOnce(u32) -> u64) -> bool {
+        self.slots = if born { self.slots + 1 } else { self.slots.saturating_sub(1) };
+        if self.slots < MEMO_HOLDERS {
+            return false;
+        }
+        let (worker, tag, bit) = (table::worker_of(holder), table::tag_of(holder), 1u64 << table::tier_of(holder));
+        match self.candidates.binary_search_by_key(&worker, |c| c.worker) {
+            Ok(k) => {
+                let c = &mut self.candidates[k];
+                if c.tag != tag {
+                    return true;
+                }
+                if (c.alive & bit != 0) == born {
+                    return false;
+                }
+                c.alive ^= bit;
+                if c.alive == 0 {
+                    self.candidates.remove(k);
+                }
+            }
+            Err(k) => {
+                if visible(worker) != tag {
+                    return true;
+                }
+                if !born {
+                    return false;
+                }
+                self.candidates.insert(k, Candidate::new(worker, tag, bit));
+            }
+        }
+        self.index();
+        true
+    }
 }
 
 impl Scratch {
@@ -450,23 +526,10 @@ impl Scratch {
         }
         let m = self.memo.entry(hash).or_default();
         m.at = at;
+        m.slots = self.ends[0];
         m.candidates.clear();
         m.candidates.extend_from_slice(&self.candidates);
-        m.by_worker.clear();
-        // Only when the workers' ids are dense enough to cost at most 16 bytes per candidate
-        // (ids are interned in order, so the holders of a popular block usually are).
-        let top = self.candidates.last().map_or(0, |c| c.worker as usize + 1);
-        if top <= 4 * self.candidates.len() {
-            m.by_worker.resize(top, NO_CANDIDATE);
-            for (k, c) in self.candidates.iter().enumerate() {
-                m.by_worker[c.worker as usize] = k as u32;
-            }
-        }
-        m.result.clear();
-        for c in &self.candidates {
-            let worker = WorkerId::new(c.worker).expect("packed worker ids are valid");
-            m.result.push(worker, 1, tier_runs(c.alive, 1));
-        }
+        m.index();
     }
 }
 
@@ -968,8 +1031,16 @@ impl PrefixIndex {
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
             // crowded keys).
             let version = table.version(&first);
-            let Scratch { memo, holders, ends, candidates, patch, .. } = &mut *s;
-            let kept = memo.get(&hashes[0]).filter(|m| m.is(table.id(), version, seq0));
+            let Scratch { memo, holders, ends, candidates, patch, caught_up, .. } = &mut *s;
+            let kept = match memo.get_mut(&hashes[0]) {
+                Some(m) if m.is(table.id(), version, seq0) => Some(&*m),
+                Some(m) => {
+                    let up = self.catch_up(m, table, &first, version, seq0);
+                    *caught_up += up as u64;
+                    up.then_some(&*m)
+                }
+                None => None,
+            };
             *patch = kept.is_some();
             let block1 = if let Some(m) = kept {
                 // Every candidate ends at block 1 but those holding block 1 (probed now: it
@@ -1048,6 +1119,30 @@ impl PrefixIndex {
             }
             Self::emit(n as u32, s, out);
         });
+    }
+
+    /// Brings kept candidates `m` of `p`'s key up to `version` (even, just read) when one
+    /// crowded change of the key's counter came since they were kept: that change, read from
+    /// the counter, is applied to them instead of reading the key's slots again (a crowded
+    /// first block changes holders often, and reading a hundred holders cost ten times a
+    /// lookup that kept them). Exact for the same reason kept candidates are (`table.rs`,
+    /// Versions of crowded keys): with at least [`MEMO_HOLDERS`] slots after the change, one is
+    /// outside the home group, so the next change raises the version too. False if they cannot
+    /// be brought up (then the lookup reads the slots).
+    fn catch_up(&self, m: &mut Memo, table: &Table, p: &Probe, version: u64, seq0: u64) -> bool {
+        if version < 2 || !version.is_multiple_of(2) || m.at != (table.id(), version - 2, seq0) {
+            return false;
+        }
+        let Some(change) = table.last_change(p, version) else {
+            return false;
+        };
+        if change.hash == p.hash && !m.apply(change.holder, change.born, |worker| self.visible_tag(worker, seq0)) {
+            // Not kept: the next lookup reads the slots, and keeps them anew if it can.
+            m.at = (table.id(), u64::MAX, seq0);
+            return false;
+        }
+        m.at.1 = version;
+        true
     }
 
     /// Asks for the cache lines of a request's hashes (past the first, which the lookup reads
@@ -1187,16 +1282,7 @@ impl PrefixIndex {
                 i += 1;
             }
             if tiers != 0 {
-                s.candidates.push(Candidate {
-                    worker,
-                    tag,
-                    alive: tiers,
-                    seen: 0,
-                    seen_at: 0,
-                    blocks: 0,
-                    done: false,
-                    ended: NO_RUN,
-                });
+                s.candidates.push(Candidate::new(worker, tag, tiers));
             }
         }
     }
@@ -1417,5 +1503,90 @@ mod tests {
         index.store_after(w, TierId::DEVICE, Some(99), &[7]);
         assert_eq!(index.runs.link_of(entry(6)), None);
         assert_eq!(index.lookup(&[1, 2, 3, 4, 5]).get(w).map(|m| m.blocks), Some(5));
+    }
+
+    /// An index and its reference, written together; `look` checks a lookup against the
+    /// reference and returns how many times this thread's kept candidates were brought up to
+    /// date by a change (`Scratch::caught_up`) during it.
+    struct Both {
+        index: PrefixIndex,
+        reference: reference::ReferenceIndex,
+    }
+
+    impl Both {
+        fn store(&mut self, worker: u32, tier: TierId, hashes: &[u64]) {
+            let worker = WorkerId::new(worker).expect("small id");
+            self.index.store(worker, tier, hashes);
+            self.reference.store(worker, tier, hashes);
+        }
+
+        fn remove(&mut self, worker: u32, tier: TierId, hashes: &[u64]) {
+            let worker = WorkerId::new(worker).expect("small id");
+            assert_eq!(self.index.remove(worker, tier, hashes), self.reference.remove(worker, tier, hashes));
+        }
+
+        fn look(&self, hashes: &[u64]) -> u64 {
+            let before = SCRATCH.with(|s| s.borrow().caught_up);
+            assert_eq!(self.index.lookup(hashes), self.reference.lookup(hashes), "lookup of {hashes:?}");
+            SCRATCH.with(|s| s.borrow().caught_up) - before
+        }
+    }
+
+    /// Kept candidates of a crowded first block follow a single change of its holders (a slot
+    /// born or dead, in any tier, under either tag) by applying it, not by reading the block's
+    /// holders again; two changes, or a change leaving fewer than eight holders, make the
+    /// lookup read them. Every answer equals the reference's.
+    #[test]
+    fn kept_candidates_take_a_single_change_of_their_block_without_reading_it_again() {
+        let mut b = Both {
+            index: PrefixIndex::new(IndexConfig { shards: 1, initial_capacity: 1 << 12 }),
+            reference: reference::ReferenceIndex::new(),
+        };
+        let s = [0x51u64, 0x52, 0x53];
+        for k in 0..12 {
+            b.store(k, TierId::DEVICE, &s[..1 + k as usize % 3]);
+        }
+        // The first lookup keeps the candidates, the second uses them as they are.
+        assert_eq!((b.look(&s), b.look(&s)), (0, 0));
+        // A new holder, with an id between the others' and past them.
+        b.store(40, TierId::DEVICE, &s);
+        assert_eq!(b.look(&s), 1);
+        b.store(7, TierId::HOST, &s[..2]);
+        assert_eq!(b.look(&s), 1);
+        // A holder's last copy of block 0 goes; then a tier of a holder with two.
+        b.remove(4, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 1);
+        b.remove(7, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 1);
+        // Copies are not changes of the holders: nothing to bring up.
+        b.store(5, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 0);
+        b.remove(5, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 0);
+        // The other tag (a replace under way writes under it) is not counted by lookups.
+        let w3 = WorkerId::new(3).expect("small id");
+        let other = table::holder(3, (b.index.gens.load(w3) & 1) ^ 1, TierId::DISK.get());
+        let p = Probe::new(s[0]);
+        {
+            let table = b.index.shard_locks[p.shard(b.index.shard_mask)].lock();
+            let added = table.add(&p, other, 1, &mut || table::NO_ENTRY, &b.index.overflow, 0);
+            assert!(matches!(added, Added::Done { .. }));
+        }
+        assert_eq!(b.look(&s), 1);
+        // Two changes since the last lookup: read again.
+        b.store(41, TierId::DEVICE, &s[..1]);
+        b.store(42, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 0);
+        assert_eq!(b.look(&s), 0);
+        // Down to eight slots (six workers' in the device tier, worker 7's in the host tier,
+        // worker 3's under the other tag), one change at a time; then to seven, which cannot
+        // be kept.
+        for k in [0, 1, 2, 5, 6, 8, 9] {
+            b.remove(k, TierId::DEVICE, &s[..1]);
+            assert_eq!(b.look(&s), 1, "after worker {k} left");
+        }
+        b.remove(10, TierId::DEVICE, &s[..1]);
+        assert_eq!(b.look(&s), 0);
+        assert_eq!(b.look(&s), 0);
     }
 }

@@ -64,9 +64,16 @@
 //! key's state then, and the first change after it raises the version before it writes
 //! anything. A rebuilt table is a new table with a new [`Table::id`]. A key all in its home
 //! group (most keys, even in a full group) raises nothing.
+//!
+//! Each counter also keeps its last crowded change (the key, the slot's holder, born or dead),
+//! written between the two raises: a seqlock's record, read by [`Table::last_change`] between
+//! two reads of the count. A lookup whose kept slots are exactly one change old (the version
+//! is 2 more than when it kept them) applies that change to them, if it is of their key, or
+//! keeps them as they are, if it is of another key; the result is the key's state at the new
+//! version, and if it still has eight live slots, the argument above holds from there on.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use super::grace::Grace;
@@ -295,10 +302,36 @@ pub(super) struct Table {
     /// Unique among all tables ever made.
     id: u64,
     /// Versions of crowded keys, by [`Probe::stripe`].
-    versions: Box<[AtomicU64]>,
+    versions: Box<[Version]>,
     ctrl: Box<[AtomicU64]>,
     slots: Box<[Slot]>,
     counts: Padded<Counts>,
+}
+
+/// A version counter of crowded keys, and the last crowded change it counted (module docs,
+/// Versions of crowded keys): a lookup that kept a key's slots at the version before it can
+/// bring them up to date without reading the slots again.
+#[derive(Default)]
+struct Version {
+    /// Odd exactly while a crowded change of one of its keys is under way.
+    count: AtomicU64,
+    /// The last change's key.
+    hash: AtomicU64,
+    /// The last change's slot: its holder bits ([`HOLDER`]), and [`BORN`] if the slot was born
+    /// (else it died).
+    change: AtomicU64,
+}
+
+/// In [`Version::change`]: the slot was born. The holder bits leave the copies field free.
+const BORN: u64 = 1;
+
+/// A crowded change of one key's live slots: the slot of `holder` (packed, [`HOLDER`] bits)
+/// under `hash` was born, or died.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) struct Change {
+    pub hash: u64,
+    pub holder: u64,
+    pub born: bool,
 }
 
 /// A table's counts, written at every slot born or dead, on cache lines of their own: beside
@@ -335,7 +368,7 @@ impl Table {
         Self {
             id: TABLE_IDS.fetch_add(1, Ordering::Relaxed),
             versions: (0..(groups / GROUPS_PER_VERSION).next_power_of_two().clamp(*VERSIONS.start(), *VERSIONS.end()))
-                .map(|_| AtomicU64::new(0))
+                .map(|_| Version::default())
                 .collect(),
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
@@ -363,22 +396,44 @@ impl Table {
     /// The version of `p`'s key (see the module docs, Versions of crowded keys): read before
     /// and after reading the key's slots.
     pub fn version(&self, p: &Probe) -> u64 {
-        self.versions[p.stripe(self.versions.len())].load(Ordering::SeqCst)
+        self.versions[p.stripe(self.versions.len())].count.load(Ordering::SeqCst)
     }
 
-    /// Makes a change of `p`'s key (`write`), raising the key's version before and after it
-    /// when `crowded`: the key has, before or after the change, a live slot outside its home
-    /// group (see the module docs). Caller holds the shard's mutex, so a table's changes never
-    /// overlap and a version is odd exactly while a change of one of its keys is under way.
-    fn change(&self, p: &Probe, crowded: bool, write: impl FnOnce()) {
-        let version = &self.versions[p.stripe(self.versions.len())];
-        if crowded {
-            version.fetch_add(1, Ordering::SeqCst);
+    /// The crowded change that raised the version of `p`'s key to `version` (even, just read
+    /// by [`Table::version`]), if the version is still `version` after reading it. The change
+    /// may be of another key of the same counter (its `hash` says).
+    pub fn last_change(&self, p: &Probe, version: u64) -> Option<Change> {
+        let v = &self.versions[p.stripe(self.versions.len())];
+        let hash = v.hash.load(Ordering::Relaxed);
+        let change = v.change.load(Ordering::Relaxed);
+        // A seqlock's second read: a change's record is written after its first raise, behind
+        // a `Release` fence, so a record read from a later change shows here as a new count.
+        fence(Ordering::Acquire);
+        (v.count.load(Ordering::Relaxed) == version).then_some(Change {
+            hash,
+            holder: change & HOLDER,
+            born: change & BORN != 0,
+        })
+    }
+
+    /// Makes a change of `p`'s key (`write`: `holder`'s slot is born, or dies), raising the
+    /// key's version before and after it when `crowded`: the key has, before or after the
+    /// change, a live slot outside its home group (see the module docs); a crowded change also
+    /// leaves its record with the version ([`Table::last_change`]). Caller holds the shard's
+    /// mutex, so a table's changes never overlap and a version is odd exactly while a change of
+    /// one of its keys is under way.
+    fn change(&self, p: &Probe, crowded: bool, holder: u64, born: bool, write: impl FnOnce()) {
+        if !crowded {
+            write();
+            return;
         }
+        let v = &self.versions[p.stripe(self.versions.len())];
+        v.count.fetch_add(1, Ordering::SeqCst);
+        fence(Ordering::Release);
         write();
-        if crowded {
-            version.fetch_add(1, Ordering::SeqCst);
-        }
+        v.hash.store(p.hash, Ordering::Relaxed);
+        v.change.store(holder & HOLDER | if born { BORN } else { 0 }, Ordering::Relaxed);
+        v.count.fetch_add(1, Ordering::SeqCst);
     }
 
     /// True if `p`'s key has a live slot outside its home group. Caller holds the shard's
@@ -406,7 +461,8 @@ impl Table {
     /// Heap bytes of this table (control words, slots, versions) plus its header.
     pub fn bytes(&self) -> usize {
         std::mem::size_of::<Self>()
-            + (self.versions.len() + self.ctrl.len()) * std::mem::size_of::<AtomicU64>()
+            + self.versions.len() * std::mem::size_of::<Version>()
+            + self.ctrl.len() * std::mem::size_of::<AtomicU64>()
             + self.slots.len() * std::mem::size_of::<Slot>()
     }
 
@@ -548,7 +604,7 @@ impl Table {
         let v = holder | ((entry as u64) << ENTRY_SHIFT);
         let v = Self::fresh_copies(p.hash, v, copies, overflow);
         // The walk saw every live slot of the key; the new one goes to group `i / GROUP`.
-        self.change(p, outside || i / GROUP != home, || self.put(p, v, i, reused, Ordering::Release));
+        self.change(p, outside || i / GROUP != home, holder, true, || self.put(p, v, i, reused, Ordering::Release));
         Added::Done { saturated: false, entry }
     }
 
@@ -702,7 +758,7 @@ impl Table {
             Self::set_copies(&self.slots[i], p.hash, v, copies - 1, overflow);
             return Subbed::Taken;
         }
-        self.change(p, outside || self.spills(p), || self.kill(i, p.home(self.ctrl.len()), grace));
+        self.change(p, outside || self.spills(p), holder, false, || self.kill(i, p.home(self.ctrl.len()), grace));
         Subbed::Died { entry: entry_of(v) }
     }
 
@@ -735,7 +791,9 @@ impl Table {
                 // counts as crowded (a superset: as sound, and this scan is rare).
                 let p = Probe::new(key);
                 let home = p.home(self.ctrl.len());
-                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), || self.kill(i, home, grace));
+                self.change(&p, overflowed(self.ctrl[home].load(Ordering::Relaxed)), v, false, || {
+                    self.kill(i, home, grace)
+                });
                 removed += 1;
             }
         }
