@@ -131,11 +131,13 @@ const DELETED: u8 = 0xfe;
 const EMPTY_WORD: u64 = HI;
 const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
-/// Groups per version counter (see the module docs), and the bounds of their number. With 64
-/// counters a table, changes of other keys of a counter invalidated 7.4% of the kept
-/// candidates in the 128-worker bench, and 1.6% with 1,024 (what this gives there); a small
-/// table keeps few, so that they stay in cache.
-const GROUPS_PER_VERSION: usize = 8;
+/// Groups per version counter (see the module docs), and the bounds of their number. A change
+/// of another key of the counter costs kept candidates nothing when it is the only change since
+/// they were kept (they take it as it is, [`Table::last_change`]), so counters can be few: one
+/// per 8 groups gave the same lookup p99 as one per 32 in the 128-worker bench, at 16 and 64
+/// trace copies, with 0.6 B more per block (a counter is 24 bytes with its last change). A
+/// small table keeps few, so that they stay in cache.
+const GROUPS_PER_VERSION: usize = 32;
 const VERSIONS: std::ops::RangeInclusive<usize> = 64..=4096;
 
 /// Ids of tables, never reused.
