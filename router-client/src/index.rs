@@ -97,7 +97,7 @@
 //! with the block's table id, the block's *version* and the swap sequence, and reuses them
 //! while all three are unchanged. A key with more than seven holders has a slot outside its
 //! home group, and every change of such a key's holders raises one of its
-//! table's version counters (by hash; one per eight groups) before and after the change, so
+//! table's version counters (by hash; one per 32 groups) before and after the change, so
 //! a lookup keeps what it read only if the version was even and the same before and after
 //! reading the holders (`table.rs`, Versions of crowded keys, with the argument); a rebuilt
 //! table has a new id; the tags a lookup counts depend only on the swap sequence. The kept
@@ -108,8 +108,9 @@
 //! So each version counter also keeps its last change (the key, the holder, born or dead), and
 //! a lookup whose kept candidates are exactly one change old applies it to them (a candidate
 //! added, a tier bit set or cleared, a candidate dropped) instead of reading the holders; it
-//! reads them when more changes came, or when fewer than eight slots would be left. Block 0's holders are sorted by a radix sort on the worker id when there are many,
-//! and a candidate's tier runs are kept with it, so ending a candidate writes nothing else.
+//! reads them when more changes came, or when fewer than eight slots would be left. Block 0's
+//! holders are sorted by a radix sort on the worker id when there are many, and a candidate's
+//! tier runs are kept with it, so ending a candidate writes nothing else.
 //!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
 //! writer publishes a new slot's key and value before its control byte (`Release`), gives a
@@ -177,10 +178,11 @@
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
 //!   (about 70 to 85 bytes per holder: its candidate, 48, its entry of the prebuilt result,
 //!   and up to 16 to find it by worker id), and each slot born or dead under a key with a
-//!   slot outside its home group two atomic increments (and a removal of a key homed in an
-//!   overflowed group a walk of its groups, to tell). A version counter is shared by the keys
-//!   of its stripe, so another key's change can raise it: the candidates are then rebuilt,
-//!   never wrong.
+//!   slot outside its home group two atomic increments and the change's record (and a
+//!   removal of a key homed in an overflowed group a walk of its groups, to tell). A version
+//!   counter is shared by the keys of its stripe, so another key's change can raise it: a
+//!   lone one leaves the candidates as they are, two or more before the next lookup make it
+//!   read them again, never wrong.
 
 mod grace;
 mod ids;
@@ -366,7 +368,7 @@ impl std::fmt::Debug for PrefixIndex {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 struct Candidate {
     worker: u32,
     /// The tag this lookup counts for the worker.

@@ -49,7 +49,7 @@
 //! instead of 1,300, most of them while the tables grow.
 //!
 //! **Versions of crowded keys.** Each key has a version: one of the table's version counters
-//! (one per eight groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
+//! (one per 32 groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
 //! born or dead; copy counts and entry moves do not count) is *crowded* when the
 //! key has, before or after it, a live slot outside its home group; a crowded change raises
 //! the key's version once before it and once after it (so a version is odd while one is under
@@ -329,7 +329,7 @@ const BORN: u64 = 1;
 
 /// A crowded change of one key's live slots: the slot of `holder` (packed, [`HOLDER`] bits)
 /// under `hash` was born, or died.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 pub(super) struct Change {
     pub hash: u64,
     pub holder: u64,
