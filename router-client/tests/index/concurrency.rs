@@ -111,6 +111,39 @@ fn lookups_during_incremental_writes_of_other_workers_stay_exact_for_a_static_on
     writer.stop();
 }
 
+/// A static worker whose runs break (its blocks stored in two events, with no parent between
+/// them) shares a prefix with a worker whose whole chain is one run, removed and stored again
+/// over and over: the lookups follow both workers' runs together, probe where the static
+/// worker's run breaks (while the other's slots come and go), and go on; whatever the race,
+/// the static worker's match is its own, exactly.
+#[test]
+fn a_static_worker_keeps_its_exact_match_while_the_worker_followed_alone_past_it_churns() {
+    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
+    let request = seq(91, 40);
+    index.store(w(1), TierId::DEVICE, &request[..6]);
+    index.store(w(1), TierId::DEVICE, &seq(5_000, 3));
+    index.store(w(1), TierId::DEVICE, &request[6..12]);
+    let writer = churn({
+        let index = index.clone();
+        let request = request.clone();
+        move |_| {
+            index.store(w(2), TierId::DEVICE, &request[..30]);
+            index.remove(w(2), TierId::DEVICE, &request[..30]);
+        }
+    });
+    let mut both = 0;
+    for _ in 0..100_000 {
+        let got = index.lookup(&request);
+        assert_eq!(got.blocks(w(1)), 12, "the static worker");
+        let other = got.blocks(w(2));
+        assert!(other <= 30, "the churning worker matched {other}");
+        both += (other == 30) as usize;
+    }
+    writer.stop();
+    // Both workers were seen holding their whole prefixes: the lookups raced a live writer.
+    assert!(both > 0, "no lookup saw the churning worker's whole chain");
+}
+
 #[test]
 fn writers_of_different_workers_on_the_same_shards_leave_the_index_exact() {
     // Four writer threads, one worker each, store and remove the same chains: every block's
