@@ -3,6 +3,15 @@
 //! directory and ports), its Status / History / metrics / RSS, and the "equal" check.
 
 use super::router::{truth_held, Router, RouterState};
+
+/// glibc malloc settings the systemd unit and the Kubernetes manifest give the relay
+/// (`docs/operations.md`): two arenas, and a fixed mmap threshold (128 KiB, with the heap's top
+/// trimmed past 4 MiB), so that large blocks are mapped and returned when freed instead of
+/// staying in the heap as the threshold climbs. A test keeps the two files in step with this.
+pub const SHIPPED_ENV: [(&str, &str); 2] = [
+    ("MALLOC_ARENA_MAX", "2"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=4194304"),
+];
 use crate::client::free_ports;
 use crate::engine::{EngineConfig, MockEngine};
 use crate::traffic::{RandomSource, RequestSource};
@@ -273,10 +282,13 @@ impl RelayProc {
         command.args(&self.args).env("RUST_LOG", "warn");
         // As the systemd unit and the Kubernetes manifest run it (docs/operations.md): the
         // drills' RSS rules and the relay bench judge the relay as shipped, not glibc's default
-        // of up to eight arenas per core (docs/drills.md, Open). A value in the environment
-        // wins, so that a comparison with other arena counts can still be run.
-        if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
-            command.env("MALLOC_ARENA_MAX", "2");
+        // of up to eight arenas per core (docs/drills.md, Open) and its moving mmap threshold. A
+        // value in the environment wins, so that a comparison with other settings can still be
+        // run.
+        for (name, value) in SHIPPED_ENV {
+            if std::env::var_os(name).is_none() {
+                command.env(name, value);
+            }
         }
         let child =
             command.stdin(Stdio::null()).stdout(log.try_clone().expect("log")).stderr(log).spawn().unwrap_or_else(
@@ -466,4 +478,24 @@ pub fn snapshot(url: &str) -> Result<(u64, Blocks), String> {
         out.retain(|_, s: &mut BTreeMap<u64, u32>| !s.is_empty());
         Ok((cursor, out))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::SHIPPED_ENV;
+
+    /// The drills and the relay bench run the relay with the environment it is shipped with.
+    #[test]
+    fn the_unit_and_the_manifest_give_the_relay_the_harness_allocator_settings() {
+        let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+        let unit = std::fs::read_to_string(format!("{root}/systemd/kv-relay@.service")).expect("unit");
+        let manifest =
+            std::fs::read_to_string(format!("{root}/deploy/kubernetes/vllm-with-kv-relay.yaml")).expect("manifest");
+        let manifest: Vec<&str> = manifest.lines().map(str::trim).collect();
+        for (name, value) in SHIPPED_ENV {
+            assert!(unit.lines().any(|l| l == format!("Environment={name}={value}")), "unit: {name}={value}");
+            let at = manifest.iter().position(|l| *l == format!("- name: {name}")).expect(name);
+            assert_eq!(manifest[at + 1], format!("value: \"{value}\""), "manifest: {name}");
+        }
+    }
 }
