@@ -3,15 +3,6 @@
 //! directory and ports), its Status / History / metrics / RSS, and the "equal" check.
 
 use super::router::{truth_held, Router, RouterState};
-
-/// glibc malloc settings the systemd unit and the Kubernetes manifest give the relay
-/// (`docs/operations.md`): two arenas, and a fixed mmap threshold (128 KiB, with the heap's top
-/// trimmed past 4 MiB), so that large blocks are mapped and returned when freed instead of
-/// staying in the heap as the threshold climbs. A test keeps the two files in step with this.
-pub const SHIPPED_ENV: [(&str, &str); 2] = [
-    ("MALLOC_ARENA_MAX", "2"),
-    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=4194304"),
-];
 use crate::client::free_ports;
 use crate::engine::{EngineConfig, MockEngine};
 use crate::traffic::{RandomSource, RequestSource};
@@ -29,6 +20,15 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+
+/// glibc malloc settings the systemd unit and the Kubernetes manifest give the relay
+/// (`docs/operations.md`): two arenas, and a fixed mmap threshold (128 KiB, with the heap's top
+/// trimmed past 4 MiB), so that large blocks are mapped and returned when freed instead of
+/// staying in the heap as the threshold climbs. A test keeps the two files in step with this.
+pub const SHIPPED_ENV: [(&str, &str); 2] = [
+    ("MALLOC_ARENA_MAX", "2"),
+    ("GLIBC_TUNABLES", "glibc.malloc.mmap_threshold=131072:glibc.malloc.trim_threshold=4194304"),
+];
 
 /// Where the relay binary is: `KV_RELAY_BIN`, else `target/debug/kv-relay` beside this crate
 /// (`cargo build -p kv-relay --bins` builds it; `.ci/run` builds every binary first).
