@@ -117,7 +117,7 @@ fn lookups_during_incremental_writes_of_other_workers_stay_exact_for_a_static_on
 /// worker's run breaks (while the other's slots come and go), and go on; whatever the race,
 /// the static worker's match is its own, exactly.
 #[test]
-fn a_static_worker_keeps_its_exact_match_while_the_worker_followed_alone_past_it_churns() {
+fn a_static_worker_whose_runs_break_keeps_its_exact_match_beside_a_churning_co_holder() {
     let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
     let request = seq(91, 40);
     index.store(w(1), TierId::DEVICE, &request[..6]);
