@@ -12,7 +12,7 @@
 
 use crate::config::Config;
 use crate::ingest::{self, load::Loads, Ingest, IngestItem, Resume};
-use crate::model::{Load, RecordBody};
+use crate::model::{Control, ControlKind, Load, RecordBody};
 use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
 use crate::server::{self, ServerConfig};
 use crate::store::{HistoryLimits, Store, StoreConfig, StoreError};
@@ -191,6 +191,39 @@ impl LagWindow {
     }
 }
 
+/// Commits `group` one record at a time after the store refused it as a whole because a record
+/// is one it cannot hold (`StoreError::Invalid`): each such record is dropped, logged and
+/// counted (`store_refused`), and its rank marked degraded, in the stream and in the status,
+/// since its blocks may no longer be the engine's. The decoder bounds what reaches the store,
+/// so this is a guard, not a path: without it one such record would hold ingest for good. On
+/// any other error the records not committed are left in `group`, in order, for the caller's
+/// retry.
+fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelayStatusHandle) {
+    let mut rest: std::collections::VecDeque<RecordBody> = std::mem::take(group).into();
+    while let Some(body) = rest.pop_front() {
+        let mut one = vec![body];
+        match store.commit_group(&mut one) {
+            Ok(_) => {}
+            Err(e @ StoreError::Invalid { .. }) => {
+                let (dp_rank, what) = match &one[0] {
+                    RecordBody::Batch { batch, .. } => (batch.dp_rank, format!("batch seq {}", batch.seq)),
+                    RecordBody::Control(c) => (c.dp_rank, "a control record".to_string()),
+                };
+                let reason = format!("{what} could not be stored ({e}) and was dropped");
+                tracing::error!(dp_rank, %reason, "record dropped: the store cannot hold it");
+                status.add("store_refused", 1);
+                status.set_rank_state(dp_rank, RankState::Degraded, reason.clone());
+                rest.push_front(RecordBody::Control(Control { dp_rank, kind: ControlKind::RankDegraded { reason } }));
+            }
+            Err(_) => {
+                group.extend(one);
+                group.extend(rest);
+                return;
+            }
+        }
+    }
+}
+
 /// Most records committed in one sled transaction: what is already queued when the committer
 /// wakes, up to this many, goes in together.
 const COMMIT_GROUP: usize = 256;
@@ -221,10 +254,19 @@ fn commit_loop(
             }
         }
         let started = Instant::now();
+        let records = group.len();
         let mut backoff = Duration::from_millis(50);
         loop {
-            match store.commit_many(group.clone()) {
+            match store.commit_group(&mut group) {
                 Ok(_) => break,
+                Err(StoreError::Invalid { .. }) => {
+                    // A record the store cannot hold: committing it again cannot help.
+                    status.add("store_errors", 1);
+                    commit_holdable(&store, &mut group, &status);
+                    if group.is_empty() {
+                        break;
+                    }
+                }
                 Err(e) => {
                     status.add("store_errors", 1);
                     if matches!(e, StoreError::Failed { .. }) && started.elapsed() >= STORE_FAILED_EXIT_AFTER {
@@ -250,8 +292,7 @@ fn commit_loop(
             }
         }
         metrics::histogram!("kv_relay_commit_seconds").record(started.elapsed().as_secs_f64());
-        metrics::histogram!("kv_relay_commit_group_records").record(group.len() as f64);
-        group.clear();
+        metrics::histogram!("kv_relay_commit_group_records").record(records as f64);
         let now = now_ms() as f64;
         for (rank, seq, ts) in batches.drain(..) {
             let lag_ms = lag_window.entry(rank).or_default().add((now - ts * 1000.0).max(0.0) as u64);
@@ -436,5 +477,73 @@ mod tests {
         assert_eq!(s.limits, HistoryLimits { max_batches: 500, max_bytes: 2 << 20 });
         assert_eq!(s.cache_bytes, 8 << 20);
         assert_eq!(s.recent, StoreConfig::new("/var/lib/kv-relay/a").recent);
+    }
+
+    /// A record the store cannot hold is dropped, its rank marked degraded, and ingest goes on:
+    /// it must not be retried for good (it would hold every later batch back).
+    #[test]
+    fn the_committer_drops_a_record_the_store_cannot_hold_and_goes_on() {
+        use crate::model::{Batch, Block, Event, Group, Namespace, Stored, Tier, TokenLayout};
+        let stored = |seq: u64, tier: Tier, hash: u64| IngestItem::Batch {
+            batch: Batch {
+                dp_rank: 1,
+                seq,
+                ts: 0.0,
+                events: vec![Event::Stored(Stored {
+                    tier,
+                    group: Group::default(),
+                    parent: None,
+                    block_size: 16,
+                    token_layout: TokenLayout::Single,
+                    blocks: vec![Block { hash, token_ids: vec![], extra_keys: None }],
+                    namespace: Namespace::default(),
+                    session_id: None,
+                    ownership: None,
+                    lookahead_token_ids: None,
+                    block_mm_infos: None,
+                })],
+            },
+            drops: Default::default(),
+            refilled: false,
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let store = Store::open(StoreConfig::new(dir.path())).unwrap();
+        let status = RelayStatusHandle::new("test");
+        let (tx, rx) = mpsc::channel(8);
+        // Queued before the committer starts: the three go to the store as one group.
+        for item in
+            [stored(10, Tier::Device, 1), stored(11, Tier::Other("m".repeat(70_000)), 2), stored(12, Tier::Device, 3)]
+        {
+            tx.try_send(item).unwrap();
+        }
+        drop(tx);
+        let failed = (tokio::sync::watch::channel(false).0, Arc::new(std::sync::Mutex::new(None)));
+        commit_loop(rx, store.clone(), Arc::default(), status.clone(), failed);
+        let reason =
+            "batch seq 11 could not be stored (cannot store this tier: tier name of 70000 bytes) and was dropped";
+        let got: Vec<(u64, String)> = store
+            .history(0, 10)
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let what = match r.body {
+                    RecordBody::Batch { batch, .. } => format!("batch {}", batch.seq),
+                    RecordBody::Control(c) => format!("{:?} of rank {}", c.kind, c.dp_rank),
+                };
+                (r.cursor, what)
+            })
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (1, "batch 10".to_string()),
+                (2, format!("RankDegraded {{ reason: {reason:?} }} of rank 1")),
+                (3, "batch 12".to_string()),
+            ]
+        );
+        let rank = status.rank(1).unwrap();
+        assert_eq!((rank.state, rank.reason.as_str(), rank.last_engine_seq), (RankState::Degraded, reason, 12));
+        assert_eq!(status.get().counters.get("store_refused"), Some(&1));
+        assert_eq!(store.live_stats().blocks, 2);
     }
 }

@@ -400,6 +400,37 @@ fn tiers_namespaces_and_sessions_normalize() {
 }
 
 #[test]
+fn a_medium_name_past_the_bound_drops_its_event_and_keeps_the_rest() {
+    let at_bound = "m".repeat(wire::MAX_MEDIUM_BYTES);
+    let past = "m".repeat(wire::MAX_MEDIUM_BYTES + 1);
+    let n = normalize(vec![
+        stored_map(vec![V::from(1)], vec![("medium", s(&at_bound))]),
+        stored_map(vec![V::from(2)], vec![("medium", s(&past))]),
+        map(vec![("type", s("BlockRemoved")), ("block_hashes", V::Array(vec![V::from(1)])), ("medium", s(&past))]),
+        map(vec![("type", s("AllBlocksCleared")), ("medium", s(&past))]),
+        // vLLM's positional forms: a store's medium at 6, a removal's at 2.
+        V::Array(vec![
+            s("BlockStored"),
+            V::Array(vec![V::from(3)]),
+            V::Nil,
+            V::Array((1..=4).map(V::from).collect()),
+            V::from(4),
+            V::Nil,
+            s(&past),
+        ]),
+        V::Array(vec![s("BlockRemoved"), V::Array(vec![V::from(1)]), s(&past)]),
+        map(vec![("type", s("BlockRemoved")), ("block_hashes", V::Array(vec![V::from(1)])), ("medium", s(&at_bound))]),
+    ]);
+    let dropped = || Outcome::Dropped(DropReason::Invalid(Field::Medium));
+    assert_eq!(n.outcomes, vec![Outcome::Kept, dropped(), dropped(), dropped(), dropped(), dropped(), Outcome::Kept]);
+    let Event::Stored(st) = &n.batch.events[0] else { panic!("{:?}", n.batch.events) };
+    assert_eq!(st.tier, Tier::Other(at_bound.clone()));
+    assert_eq!(n.batch.events.len(), 2);
+    let Event::Removed(r) = &n.batch.events[1] else { panic!("{:?}", n.batch.events) };
+    assert_eq!((r.tier.clone(), r.block_hashes.clone()), (Tier::Other(at_bound), vec![1]));
+}
+
+#[test]
 fn bigram_pages_are_kept_as_pairs_per_block() {
     let pairs = |a: u32, n: u32| V::Array((a..a + n).map(|i| V::Array(vec![V::from(i), V::from(i + 1)])).collect());
     let n = normalize(vec![stored_map(vec![V::from(1), V::from(2)], vec![("token_ids", pairs(10, 8))])]);

@@ -607,6 +607,38 @@ fn history_ranges_are_ascending_and_clamped_to_what_is_kept() {
 }
 
 #[test]
+fn a_refused_group_is_given_back_whole_and_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = open(dir.path());
+    s.commit(batch(0, 0, vec![stored(Tier::Device, 0, None, &[1])])).unwrap();
+    // A tier name the store cannot hold (its keys give a name 16 bits of length).
+    let unholdable = || batch(0, 9, vec![stored(Tier::Other("m".repeat(70_000)), 0, None, &[3])]);
+    let good =
+        [batch(0, 1, vec![stored(Tier::Device, 0, Some(1), &[2])]), batch(0, 2, vec![removed(Tier::Device, 0, &[1])])];
+    // The refused record first, between the others, and last (when every record was taken).
+    for at in 0..=2 {
+        let mut group = good.to_vec();
+        group.insert(at, unholdable());
+        let want = group.clone();
+        let err = s.commit_group(&mut group).unwrap_err();
+        assert_eq!(err.to_string(), "cannot store this tier: tier name of 70000 bytes", "at {at}");
+        assert_eq!(group, want, "at {at}");
+        // Nothing of the group was committed, and the store goes on.
+        assert_eq!(s.newest_cursor(), 1);
+        assert_eq!(copies(&s), vec![(0, Tier::Device, 0, 1, 1)]);
+    }
+    let mut group = good.to_vec();
+    let done = s.commit_group(&mut group).unwrap();
+    assert_eq!(group, vec![]);
+    assert_eq!(
+        done.iter().map(|c| (c.record.cursor, c.record.body.clone())).collect::<Vec<_>>(),
+        vec![(2, good[0].clone()), (3, good[1].clone())]
+    );
+    assert_eq!(copies(&s), vec![(0, Tier::Device, 0, 2, 1)]);
+    assert_eq!(all_history(&s).iter().map(|r| r.cursor).collect::<Vec<_>>(), vec![1, 2, 3]);
+}
+
+#[test]
 fn cursor_matches_tells_same_lost_and_trimmed() {
     let dir = tempfile::tempdir().unwrap();
     {

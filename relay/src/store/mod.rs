@@ -753,10 +753,36 @@ impl Store {
     }
 
     /// Commits records at consecutive cursors, all in one atomic write.
-    pub fn commit_many(&self, bodies: Vec<RecordBody>) -> Result<Vec<Arc<Committed>>, StoreError> {
-        if bodies.is_empty() {
+    pub fn commit_many(&self, mut bodies: Vec<RecordBody>) -> Result<Vec<Arc<Committed>>, StoreError> {
+        self.commit_group(&mut bodies)
+    }
+
+    /// [`Store::commit_many`] of the bodies in `group`, taken from it; when the commit fails
+    /// they are all put back, in order, for a retry, so a caller that must not lose them need
+    /// not copy them first.
+    pub fn commit_group(&self, group: &mut Vec<RecordBody>) -> Result<Vec<Arc<Committed>>, StoreError> {
+        if group.is_empty() {
             return Ok(Vec::new());
         }
+        let mut committed = Vec::with_capacity(group.len());
+        let mut rest = std::mem::take(group).into_iter();
+        let out = self.commit_into(&mut rest, &mut committed);
+        if out.is_err() {
+            // Nothing was published: each record is still only here.
+            group.extend(committed.into_iter().map(|c| Arc::into_inner(c).expect("an unpublished record").record.body));
+            group.extend(rest);
+            return out.map(|()| Vec::new());
+        }
+        Ok(committed)
+    }
+
+    /// Applies `bodies` into `committed` and writes them; on an error the bodies not taken yet
+    /// stay in `bodies`, and those taken are in `committed`, none published.
+    fn commit_into(
+        &self,
+        bodies: &mut impl Iterator<Item = RecordBody>,
+        committed: &mut Vec<Arc<Committed>>,
+    ) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let mut w = inner.writer.lock().unwrap_or_else(|p| p.into_inner());
         w.usable("commit", &inner.dir)?;
@@ -770,13 +796,16 @@ impl Store {
             ranks: w.ranks.clone(),
             sweeps: BTreeSet::new(),
         };
-        let mut committed = Vec::with_capacity(bodies.len());
         for body in bodies {
-            match txn.apply(body) {
-                Ok((record, size)) => committed.push(Arc::new(Committed::new(record, size))),
+            let record = Record { cursor: txn.counters.newest + 1, incarnation: inner.incarnation, body };
+            let applied = txn.apply(&record);
+            // Taken either way: on an error it goes back with the others.
+            let size = *applied.as_ref().unwrap_or(&0);
+            committed.push(Arc::new(Committed::new(record, size)));
+            if let Err(e) = applied {
                 // A read failing on an I/O error fails the store as the batch would (sled's
                 // flusher may hit a full disk before any write of ours does).
-                Err(e) => return Err(w.fail("commit", &inner.dir, e)),
+                return Err(w.fail("commit", &inner.dir, e));
             }
         }
         let (counters, ranks, sweeps) = (txn.counters, txn.ranks.clone(), std::mem::take(&mut txn.sweeps));
@@ -800,7 +829,7 @@ impl Store {
                 }
             }
         }
-        Ok(committed)
+        Ok(())
     }
 
     fn view(&self) -> View {
@@ -1108,11 +1137,11 @@ impl Txn<'_> {
         StoreError::Decode { dir: self.dir.to_path_buf(), what, detail: format!("key {key:02x?}") }
     }
 
-    /// Applies one record; returns it with its encoded size.
-    fn apply(&mut self, body: RecordBody) -> Result<(Record, u64), StoreError> {
+    /// Applies one record, at the next cursor; returns its encoded size.
+    fn apply(&mut self, record: &Record) -> Result<u64, StoreError> {
         let cursor = self.counters.newest + 1;
-        let record = Record { cursor, incarnation: self.incarnation, body };
-        let bytes = encode_record(&record).map_err(|detail| StoreError::Invalid { what: "record", detail })?;
+        debug_assert_eq!((record.cursor, record.incarnation), (cursor, self.incarnation));
+        let bytes = encode_record(record).map_err(|detail| StoreError::Invalid { what: "record", detail })?;
         match &record.body {
             RecordBody::Batch { batch, .. } => self.apply_batch(batch, cursor)?,
             RecordBody::Control(c) => {
@@ -1143,7 +1172,7 @@ impl Txn<'_> {
         let size = bytes.len() as u64;
         self.put(history_key(cursor), bytes);
         self.trim()?;
-        Ok((record, size))
+        Ok(size)
     }
 
     fn trim(&mut self) -> Result<(), StoreError> {

@@ -362,6 +362,20 @@ fn read_string(r: &mut Reader<'_>) -> Result<String, MsgpackError> {
     r.str().map(str::to_owned)
 }
 
+/// The longest medium (tier) name taken, in bytes. Engines name media in a few letters
+/// (`GPU`, `CPU`, `cpu_pinned`, a connector's name); a tier's name is part of the store's keys
+/// and of metric labels, so a longer one drops its event (`invalid_medium`) rather than reach
+/// them. The store itself holds names of up to 65,535 bytes.
+pub const MAX_MEDIUM_BYTES: usize = 256;
+
+fn read_medium(r: &mut Reader<'_>) -> Result<String, MsgpackError> {
+    let s = r.str()?;
+    if s.len() > MAX_MEDIUM_BYTES {
+        return Err(MsgpackError::TooLong(s.len()));
+    }
+    Ok(s.to_owned())
+}
+
 /// A token id: any non-negative int; `None` when it does not fit `u32`.
 fn read_token(r: &mut Reader<'_>) -> Result<Option<u32>, MsgpackError> {
     match r.int()? {
@@ -514,7 +528,7 @@ fn decode_array_event(r: &mut Reader<'_>, n: usize) -> Result<RawEvent, DropReas
             let mut e =
                 RawRemoved { block_hashes: field(r, Field::BlockHashes, read_hashes)?, ..RawRemoved::default() };
             if has(2) {
-                e.medium = opt(r, Field::Medium, read_string)?;
+                e.medium = opt(r, Field::Medium, read_medium)?;
             }
             if has(3) {
                 e.group_idx = opt(r, Field::GroupIdx, read_u32)?;
@@ -541,7 +555,7 @@ fn decode_array_event(r: &mut Reader<'_>, n: usize) -> Result<RawEvent, DropReas
                 e.lora_id = opt(r, Field::LoraId, read_i64)?;
             }
             if has(6) {
-                e.medium = opt(r, Field::Medium, read_string)?;
+                e.medium = opt(r, Field::Medium, read_medium)?;
             }
             if has(7) {
                 // vLLM 0.14+: lora_name (str | nil); SGLang 0.5.18/19: the salt metadata map.
@@ -606,7 +620,7 @@ fn decode_map_event(r: &mut Reader<'_>, n: usize) -> Result<RawEvent, DropReason
                 block_size = true;
             }
             "lora_id" => s.lora_id = opt(r, Field::LoraId, read_i64)?,
-            "medium" => s.medium = opt(r, Field::Medium, read_string)?,
+            "medium" => s.medium = opt(r, Field::Medium, read_medium)?,
             "lora_name" => s.lora_name = opt(r, Field::LoraName, read_string)?,
             "extra_keys" => s.extra_keys = opt(r, Field::ExtraKeys, read_extra_keys)?,
             "group_idx" => s.group_idx = opt(r, Field::GroupIdx, read_u32)?,

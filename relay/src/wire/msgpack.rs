@@ -19,6 +19,8 @@ pub enum MsgpackError {
     Utf8,
     /// A marker that msgpack never uses (`0xc1`).
     Reserved,
+    /// A string of this many bytes where the field allows fewer.
+    TooLong(usize),
 }
 
 impl fmt::Display for MsgpackError {
@@ -28,6 +30,7 @@ impl fmt::Display for MsgpackError {
             MsgpackError::Type(m) => write!(f, "unexpected msgpack marker 0x{m:02x}"),
             MsgpackError::Utf8 => f.write_str("string is not utf-8"),
             MsgpackError::Reserved => f.write_str("reserved msgpack marker 0xc1"),
+            MsgpackError::TooLong(n) => write!(f, "string of {n} bytes, longer than the field allows"),
         }
     }
 }
