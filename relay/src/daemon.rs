@@ -205,15 +205,19 @@ fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelaySta
         match store.commit_group(&mut one) {
             Ok(_) => {}
             Err(e @ StoreError::Invalid { .. }) => {
-                let (dp_rank, what) = match &one[0] {
-                    RecordBody::Batch { batch, .. } => (batch.dp_rank, format!("batch seq {}", batch.seq)),
-                    RecordBody::Control(c) => (c.dp_rank, "a control record".to_string()),
+                let (dp_rank, what, batch) = match &one[0] {
+                    RecordBody::Batch { batch, .. } => (batch.dp_rank, format!("batch seq {}", batch.seq), true),
+                    RecordBody::Control(c) => (c.dp_rank, "a control record".to_string(), false),
                 };
                 let reason = format!("{what} could not be stored ({e}) and was dropped");
                 tracing::error!(dp_rank, %reason, "record dropped: the store cannot hold it");
                 status.add("store_refused", 1);
                 status.set_rank_state(dp_rank, RankState::Degraded, reason.clone());
-                rest.push_front(RecordBody::Control(Control { dp_rank, kind: ControlKind::RankDegraded { reason } }));
+                // A refused control is not answered with another (it could be refused in turn).
+                if batch {
+                    let degraded = Control { dp_rank, kind: ControlKind::RankDegraded { reason } };
+                    rest.push_front(RecordBody::Control(degraded));
+                }
             }
             Err(_) => {
                 group.extend(one);
