@@ -75,6 +75,10 @@ pub struct Args {
     /// milliseconds.
     #[arg(long, env = "KV_RELAY_TAIL_PROBE_MS", default_value_t = 3000)]
     pub tail_probe_ms: u64,
+    /// The largest engine message the relay takes, in bytes (PUB and replay sockets): a larger
+    /// one drops the connection before it is read into memory, and its batch is counted lost.
+    #[arg(long, env = "KV_RELAY_MAX_MESSAGE_BYTES", default_value_t = crate::ingest::DEFAULT_MAX_MESSAGE_BYTES)]
+    pub max_message_bytes: u64,
     /// Log format: `text` or `json`.
     #[arg(long, env = "KV_RELAY_LOG_FORMAT", default_value = "text")]
     pub log_format: String,
@@ -236,6 +240,12 @@ impl Args {
         if self.queue == 0 {
             return Err(bad("queue", "must be at least 1"));
         }
+        if self.max_message_bytes < 64 << 10 {
+            return Err(bad(
+                "max-message-bytes",
+                "must be at least 64 KiB (an engine's batches reach hundreds of KiB)",
+            ));
+        }
         let metrics_listen = match self.metrics_listen.as_str() {
             "off" | "" => None,
             s => Some(s.parse().map_err(|_| bad("metrics-listen", format!("{s:?} is not host:port or `off`")))?),
@@ -266,6 +276,7 @@ impl Args {
                 replay_timeout: Duration::from_millis(self.replay_timeout_ms.max(1)),
                 tail_probe: Duration::from_millis(self.tail_probe_ms.max(1)),
                 rcvhwm: 100_000,
+                max_message_bytes: self.max_message_bytes,
                 queue: self.queue,
                 hash_check,
             },

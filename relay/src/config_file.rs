@@ -152,6 +152,7 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("queue", "queue", "queue"),
     ("replay_timeout_ms", "replay_timeout_ms", "replay-timeout-ms"),
     ("tail_probe_ms", "tail_probe_ms", "tail-probe-ms"),
+    ("max_message_bytes", "max_message_bytes", "max-message-bytes"),
     ("log_format", "log_format", "log-format"),
     ("hash_check", "hash_check", "hash-check"),
     ("hash_engine", "hash_engine", "hash-engine"),
@@ -241,6 +242,7 @@ fn set(args: &mut Args, id: &str, setting: &'static str, at: &At<'_>, v: &Value)
         "queue" => args.queue = uint(usize::MAX as u64)? as usize,
         "replay_timeout_ms" => args.replay_timeout_ms = uint(u64::MAX)?,
         "tail_probe_ms" => args.tail_probe_ms = uint(u64::MAX)?,
+        "max_message_bytes" => args.max_message_bytes = uint(u64::MAX)?,
         "log_format" => args.log_format = string()?,
         "hash_check" => args.hash_check = v.as_bool().ok_or_else(|| at.err(setting, "true or false", v))?,
         "hash_engine" => args.hash_engine = Some(string()?),
@@ -311,6 +313,7 @@ pub fn effective_toml(c: &Config) -> String {
     let _ = writeln!(o, "queue = {}", ing.queue);
     let _ = writeln!(o, "replay_timeout_ms = {}", ms(ing.replay_timeout));
     let _ = writeln!(o, "tail_probe_ms = {}", ms(ing.tail_probe));
+    let _ = writeln!(o, "max_message_bytes = {}", ing.max_message_bytes);
     let _ = writeln!(o, "log_format = {}", q(if c.json_logs { "json" } else { "text" }));
     match &ing.hash_check {
         Some(h) => {

@@ -379,6 +379,8 @@ async fn status_loop(
                 ("lost_batches", s.lost),
                 ("publisher_restarts", s.restarts),
                 ("message_errors", s.message_errors),
+                ("disconnects", s.disconnects),
+                ("replay_cuts", s.replay_cuts),
             ] {
                 status.set_counter(&format!("rank{rank}.{name}"), v);
             }

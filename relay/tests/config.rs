@@ -126,6 +126,8 @@ fn layered() -> Vec<Layered> {
            "--replay-timeout-ms" = "2500", default "2s", |c| format!("{:?}", c.ingest.replay_timeout)),
         l!("tail_probe_ms" = "1000" => "1s", "KV_RELAY_TAIL_PROBE_MS" = "4000",
            "--tail-probe-ms" = "5000", default "3s", |c| format!("{:?}", c.ingest.tail_probe)),
+        l!("max_message_bytes" = "1048576" => "1048576", "KV_RELAY_MAX_MESSAGE_BYTES" = "2097152",
+           "--max-message-bytes" = "4194304", default "16777216", |c| c.ingest.max_message_bytes.to_string()),
         l!("log_format" = "\"json\"" => "true", "KV_RELAY_LOG_FORMAT" = "text", "--log-format" = "json",
            default "false", |c| c.json_logs.to_string()),
         l!("[server]\nrate_per_second" = "1" => "1", "KV_RELAY_SERVER_RATE_PER_SECOND" = "2",
@@ -226,7 +228,8 @@ fn an_unknown_key_is_rejected_by_name() {
         format!(
             "{file}: unknown key `histroy_batches` (known keys: endpoint, replay_endpoint, dp_size, dp_ranks, topic, \
              engine_metrics_url, load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, \
-             store_cache_bytes, listen, metrics_listen, queue, replay_timeout_ms, tail_probe_ms, log_format, \
+             store_cache_bytes, listen, metrics_listen, queue, replay_timeout_ms, tail_probe_ms, max_message_bytes, \
+             log_format, \
              hash_check, hash_engine, hash_engine_version, hash_algo, hash_seed, hash_sample, and the [server] table)"
         )
     );
@@ -278,6 +281,8 @@ fn each_bad_setting_names_itself() {
         ("queue = 0".into(), "queue"),
         ("replay_timeout_ms = 1.5".into(), "replay-timeout-ms"),
         ("tail_probe_ms = true".into(), "tail-probe-ms"),
+        ("max_message_bytes = 65535".into(), "max-message-bytes"),
+        ("max_message_bytes = -1".into(), "max-message-bytes"),
         ("log_format = \"xml\"".into(), "log-format"),
         ("topic = 1".into(), "topic"),
         ("hash_check = \"yes\"".into(), "hash-check"),

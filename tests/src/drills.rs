@@ -94,6 +94,7 @@ pub const DRILLS: &[(&str, Drill)] = &[
     ("engine_gone", engine_gone),
     ("slow_subscriber", slow_subscriber),
     ("garbage", garbage),
+    ("oversized", oversized),
     ("soak", soak),
     ("disk_full", disk_full),
 ];
@@ -668,6 +669,77 @@ pub fn garbage(_scale: Scale) -> Report {
         s.counters.gaps == 0 && not_ok_ranks(&st).is_empty(),
         format!("gaps {} / ranks not OK {:?}", s.counters.gaps, not_ok_ranks(&st)),
     );
+    rep
+}
+
+pub fn oversized(_scale: Scale) -> Report {
+    let mut rep = Report::new(
+        "one batch of 16 MiB against max_message_bytes of 1 MiB",
+        "that batch alone lost, the rank degraded with the bound named; relay RSS does not take it; recovers at the next clear; equal",
+    );
+    use crate::wire::{BlockHash, EngineEvent, Stored, TokenIds};
+    let cx = Ctx::new();
+    let e = engine(2, 10_000);
+    let r = cx.relay(&e, &["--max-message-bytes", "1048576"]);
+    let t = Traffic::start(&e, 200, 11);
+    let a = cx.router(&r);
+    cx.warm(&e);
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
+    let m0 = r.metrics_text();
+    let rss0 = r.rss_kib().unwrap_or(0);
+    // About 29 bytes a block: 4 token ids past u16 and a 64-bit hash.
+    let blocks = 600_000u64;
+    let big = vec![EngineEvent::Stored(Stored {
+        hashes: (0..blocks).map(|i| BlockHash::U64(u64::MAX - i)).collect(),
+        token_ids: TokenIds::Single((0..blocks * 4).map(|t| 100_000 + t).collect()),
+        block_size: 4,
+        ..Stored::default()
+    })];
+    let size =
+        crate::wire::encode_batch(&e.wire(), &crate::wire::Batch { ts: 0.0, events: big.clone(), dp_rank: Some(1) })
+            .len();
+    rep.measure(format!("the batch: {blocks} blocks, {size} bytes"));
+    rep.check(size > 16 << 20, format!("the batch is {size} bytes, not over 16 MiB"));
+    e.publish(1, big).expect("publish");
+    let mut rss_max = rss0;
+    let reason = std::cell::RefCell::new(String::new());
+    let degraded = wait_until(Duration::from_secs(10), || {
+        rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
+        let st = status(&r.url()).ok();
+        let rank = st.as_ref().and_then(|s| s.ranks.iter().find(|k| k.dp_rank == 1).cloned());
+        *reason.borrow_mut() = rank.as_ref().map(|k| k.reason.clone()).unwrap_or_default();
+        rank.is_some_and(|k| k.state == pb::RankState::Degraded as i32) && a.get().degraded.contains(&1)
+    });
+    rep.measure(format!(
+        "rank 1 degraded in status and stream {} after the publish: {:?}",
+        degraded.map(ms).unwrap_or("never".into()),
+        reason.borrow()
+    ));
+    rep.check(degraded.is_some(), "rank 1 not degraded in status and stream");
+    rep.check(reason.borrow().contains("max_message_bytes, 1048576 bytes"), "the reason does not name the bound");
+    std::thread::sleep(Duration::from_millis(300));
+    rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
+    let m1 = r.metrics_text();
+    let by = |name: &str| {
+        metric(&m1, name, &["rank=\"1\""]).unwrap_or(0.0) - metric(&m0, name, &["rank=\"1\""]).unwrap_or(0.0)
+    };
+    let (lost, drops, cuts) =
+        (by("kv_relay_lost_batches_total"), by("kv_relay_disconnects_total"), by("kv_relay_replay_cuts_total"));
+    rep.measure(format!("rank 1: lost {lost}, PUB connection drops {drops}, replay cuts {cuts}"));
+    rep.check(lost == 1.0, format!("lost {lost} batches, not the one"));
+    rep.check(drops >= 1.0 && cuts >= 1.0, "no drop or no replay cut counted");
+    // Taken, the message alone would be resident (and its commit far more: about 4.7 KB a block).
+    rep.measure(format!("relay RSS {rss0} KiB before, max {rss_max} KiB"));
+    rep.check(rss_max < rss0 + 16 * 1024, "relay RSS grew by the message's 16 MiB or more");
+    let others = status(&r.url()).map(|s| not_ok_ranks(&s)).unwrap_or_default();
+    rep.check(others.iter().all(|x| x.0 == 1), format!("other ranks not OK: {others:?}"));
+    t.hold(|| e.clear(1)).expect("clear");
+    let rec = wait_until(Duration::from_secs(5), || {
+        status(&r.url()).is_ok_and(|s| not_ok_ranks(&s).is_empty()) && !a.get().degraded.contains(&1)
+    });
+    rep.measure(format!("recovered in status and stream {} after the clear", rec.map(ms).unwrap_or("never".into())));
+    rep.check(rec.is_some(), "rank 1 did not recover after the clear");
+    expect_equal(&mut rep, &e, Some(&t), &[&a], "after", Duration::from_secs(10));
     rep
 }
 

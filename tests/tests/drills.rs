@@ -55,6 +55,11 @@ fn relay_killed_under_load_is_equal_within_2500ms_of_its_restart() {
 }
 
 #[test]
+fn a_batch_over_max_message_bytes_is_lost_alone_and_the_relay_does_not_take_it() {
+    run(drills::oversized);
+}
+
+#[test]
 fn engine_gone_then_back_keeps_serving_and_converges() {
     run(drills::engine_gone);
 }

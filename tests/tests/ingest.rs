@@ -9,7 +9,7 @@ use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, Garbage, MockEngine};
 use kv_relay_testkit::fixtures::{self, Fixture};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
-use kv_relay_testkit::wire::{Engine, WireVersion};
+use kv_relay_testkit::wire::{encode_batch, Batch, BlockHash, Engine, EngineEvent, Stored, TokenIds, WireVersion};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -61,6 +61,7 @@ fn relay_cfg(e: &MockEngine) -> IngestConfig {
         replay_timeout: Duration::from_secs(2),
         tail_probe: Duration::from_millis(300),
         rcvhwm: 100_000,
+        max_message_bytes: kv_relay::ingest::DEFAULT_MAX_MESSAGE_BYTES,
         queue: 64,
         hash_check: None,
     }
@@ -395,6 +396,91 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
     assert!(
         matches!(controls_of(&relay, 0).last(), Some(ControlKind::RankDegraded { reason }) if reason.contains("no replay endpoint"))
     );
+}
+
+/// A batch of one stored event of `blocks` blocks of 4 token ids past `u16` (5 bytes each in
+/// msgpack): about 29 bytes a block on the wire.
+fn big_store(blocks: u64) -> Vec<EngineEvent> {
+    vec![EngineEvent::Stored(Stored {
+        hashes: (0..blocks).map(|i| BlockHash::U64(u64::MAX - i)).collect(),
+        token_ids: TokenIds::Single((0..blocks * 4).map(|t| 100_000 + t).collect()),
+        block_size: 4,
+        ..Stored::default()
+    })]
+}
+
+/// Two batches only in the replay buffer, then one past `max_message_bytes` (64 KiB: it drops
+/// the SUB's connection, and the DEALER's when a replay reaches it), then three more: the
+/// refused batch is the one lost, the five around it are refilled or live, in order. With
+/// `by_probe`, the three come at once, all while the SUB reconnects, so the quiet rank's tail
+/// probe finds them; else more follow until the SUB takes one live, and its gap finds them.
+fn a_refused_batch_is_lost_alone(by_probe: bool) {
+    let e = engine(vllm(), 1, true, 10_000);
+    let mut cfg = relay_cfg(&e);
+    cfg.max_message_bytes = 64 << 10;
+    if !by_probe {
+        cfg.tail_probe = Duration::from_secs(600);
+    }
+    let relay = Relay::start(cfg, BTreeMap::new());
+    let mut src = RandomSource::new(11, 4, 6);
+    warm_up(&relay, &e, &mut src);
+    e.flush().unwrap();
+    let next = e.stats(0).unwrap().next_seq;
+    let before = relay.status(0);
+    let seen_before = relay.seen.lock().unwrap().order.len();
+    e.drop_on_wire(0, 2).unwrap();
+    traffic_until(&e, 0, &mut src, next + 2);
+    let big = big_store(4_000);
+    let size = encode_batch(&vllm(), &Batch { ts: 0.0, events: big.clone(), dp_rank: Some(0) }).len();
+    assert!(size > 100_000, "{size}");
+    e.publish(0, big).unwrap();
+    let mut end = next + 6;
+    traffic_until(&e, 0, &mut src, end);
+    if !by_probe {
+        // Until the reconnected SUB takes one live (the ones before are refilled by its gap).
+        wait_for("a live batch", || {
+            if relay.status(0).last_seq == Some(end - 1) {
+                return true;
+            }
+            end += 1;
+            traffic_until(&e, 0, &mut src, end);
+            std::thread::sleep(Duration::from_millis(50));
+            false
+        });
+    }
+    wait_for("the last batch", || relay.status(0).last_seq == Some(end - 1));
+    wait_health(&relay, 0, Health::Degraded, 1);
+    let after = relay.status(0);
+    assert_eq!(after.lost - before.lost, 1);
+    assert_eq!(after.replay_cuts - before.replay_cuts, 1);
+    assert_eq!(after.disconnects - before.disconnects, 1);
+    assert_eq!(after.batches - before.batches, end - next - 1);
+    assert_eq!(after.gaps - before.gaps, 1);
+    assert_eq!(after.tail_probes > before.tail_probes, by_probe);
+    let order: Vec<u64> = relay.seen.lock().unwrap().order[seen_before..].iter().map(|o| o.1).collect();
+    let want: Vec<u64> = (next..end).filter(|&s| s != next + 2).collect();
+    assert_eq!(order, want);
+    let c = controls_of(&relay, 0);
+    assert!(
+        matches!(&c[..], [ControlKind::RankDegraded { reason }]
+            if reason.contains(&format!("seq {}..{}", next + 2, next + 2)) && reason.contains("max_message_bytes, 65536 bytes")),
+        "{c:?}"
+    );
+    // A clear makes the rank known again: equal to the engine, the refused batch's blocks gone.
+    e.clear(0).unwrap();
+    traffic(&e, 0, &mut src, 3);
+    wait_health(&relay, 0, Health::Ok, 2);
+    wait_equal(&relay, &e);
+}
+
+#[test]
+fn a_batch_over_max_message_bytes_is_lost_alone_and_a_tail_probe_refills_the_rest() {
+    a_refused_batch_is_lost_alone(true);
+}
+
+#[test]
+fn a_batch_over_max_message_bytes_is_lost_alone_and_the_gap_refills_the_rest() {
+    a_refused_batch_is_lost_alone(false);
 }
 
 /// Runs a relay until it equals the truth after some traffic, stops it, and returns where it

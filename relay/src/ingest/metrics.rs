@@ -34,6 +34,14 @@ pub fn lost(rank: u32, n: u64) {
     counter!("kv_relay_lost_batches_total", "rank" => rank.to_string()).increment(n);
 }
 
+pub fn replay_cut(rank: u32) {
+    counter!("kv_relay_replay_cuts_total", "rank" => rank.to_string()).increment(1);
+}
+
+pub fn disconnect(rank: u32) {
+    counter!("kv_relay_disconnects_total", "rank" => rank.to_string()).increment(1);
+}
+
 pub fn restart(rank: u32) {
     counter!("kv_relay_publisher_restarts_total", "rank" => rank.to_string()).increment(1);
 }

@@ -21,6 +21,14 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+/// The default bound on one engine message: far above any batch an engine sends (a step that
+/// stores 128k new tokens, with their token ids, is under 1 MiB; engines' chunked prefill
+/// keeps steps to a few thousand tokens), and it keeps one message from a faulty peer from
+/// taking the relay's memory. A batch the relay takes costs it far more than its size while it
+/// is committed (about 4.7 KB per block, most of it sled's copies of the nodes one write
+/// touches: `docs/benchmarks.md`), so the bound is not set higher than real batches need.
+pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 16 << 20;
+
 /// The ingest's settings.
 #[derive(Debug, Clone)]
 pub struct IngestConfig {
@@ -33,6 +41,9 @@ pub struct IngestConfig {
     pub replay_timeout: Duration,
     pub tail_probe: Duration,
     pub rcvhwm: i32,
+    /// The largest message the SUB and DEALER sockets take, in bytes (`ZMQ_MAXMSGSIZE`): libzmq
+    /// drops the connection of a peer that sends a larger one, before it is read into memory.
+    pub max_message_bytes: u64,
     /// Capacity of the channel to the committer (items).
     pub queue: usize,
     /// The engine's hash settings when the relay checks its block hashes.
@@ -49,6 +60,7 @@ impl Default for IngestConfig {
             replay_timeout: Duration::from_secs(2),
             tail_probe: Duration::from_secs(3),
             rcvhwm: 100_000,
+            max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
             queue: 1024,
             hash_check: None,
         }
@@ -69,6 +81,7 @@ impl IngestConfig {
                     replay_timeout: self.replay_timeout,
                     tail_probe: self.tail_probe,
                     rcvhwm: self.rcvhwm,
+                    max_message_bytes: self.max_message_bytes,
                     hash_check: self.hash_check.clone(),
                 })
             })

@@ -22,6 +22,11 @@
 //!   the SUB socket (this thread was not reading it while it asked): the live socket gets the
 //!   first claim for [`LIVE_FIRST`], and only what it does not deliver is a lost tail, refilled
 //!   and counted as a gap.
+//! * **Message bound.** Both sockets take messages up to `max_message_bytes`. libzmq drops the
+//!   connection of a peer that sends a larger one and does not connect it again, so each socket
+//!   is watched ([`Watched`]): a dropped SUB is read out and replaced, and a replay whose
+//!   connection drops keeps what came before the refused batch and asks again past it. The
+//!   refused batch alone is lost.
 //! * **Backpressure.** Items go out through a bounded channel; when it is full this thread blocks,
 //!   the SUB socket's queue fills, and the engine's PUB drops at its high-water mark: those
 //!   batches come back through the gap rule. Nothing is dropped silently here.
@@ -74,6 +79,8 @@ pub struct RankConfig {
     pub tail_probe: Duration,
     /// The SUB socket's receive high-water mark (messages).
     pub rcvhwm: i32,
+    /// The largest message the SUB and DEALER sockets take (see [`super::IngestConfig`]).
+    pub max_message_bytes: u64,
     /// The engine's hash settings when its block hashes are checked.
     pub hash_check: Option<Arc<HashCheckConfig>>,
 }
@@ -117,6 +124,10 @@ pub struct RankStatus {
     /// Events dropped, by reason (`crate::drops`), since the relay started.
     pub dropped: Tally,
     pub tail_probes: u64,
+    /// Times the replay connection dropped while sending a batch (see [`Rank::replay`]).
+    pub replay_cuts: u64,
+    /// Times the SUB's connection to the engine dropped (see [`Rank::on_drop`]).
+    pub disconnects: u64,
     /// What the hash check found so far; `None` when the check is off.
     pub hash_check: Option<CheckCounts>,
     /// The rank's thread has stopped (shutdown, or the channel closed).
@@ -130,6 +141,8 @@ pub type SharedRankStatus = Arc<Mutex<RankStatus>>;
 enum ReplayError {
     NoEndpoint,
     Timeout,
+    /// The connection dropped while sending a batch this many times in one replay.
+    Cut(u32),
     Zmq(zmq::Error),
 }
 
@@ -138,6 +151,7 @@ impl std::fmt::Display for ReplayError {
         match self {
             ReplayError::NoEndpoint => f.write_str("no replay endpoint configured"),
             ReplayError::Timeout => f.write_str("the replay socket did not answer in time"),
+            ReplayError::Cut(n) => write!(f, "the replay connection dropped while sending a batch, {n} times"),
             ReplayError::Zmq(e) => write!(f, "replay socket: {e}"),
         }
     }
@@ -146,10 +160,96 @@ impl std::fmt::Display for ReplayError {
 /// The channel closed: the relay is shutting down.
 struct Closed;
 
+/// How a replay request's answer ended.
+enum Reply {
+    /// The end marker: every buffered batch from the seq asked for was sent.
+    End,
+    /// The connection dropped before the end marker (see [`Rank::replay`]).
+    Cut,
+}
+
+/// How many times one replay asks again past a batch that dropped its connection.
+const MAX_CUTS: u32 = 16;
+
+/// How long a socket whose connection dropped is read for the messages libzmq read before the
+/// drop (they are handed on within microseconds of it; the margin is for a loaded host).
+const DROP_SETTLE: Duration = Duration::from_millis(100);
+
+/// The value for `ZMQ_MAXMSGSIZE` (an `i64`; larger bounds mean no bound).
+fn max_msg(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(-1)
+}
+
+/// A socket and a monitor that says when its connection to the engine drops.
+///
+/// libzmq drops a connection whose peer sends a message over `ZMQ_MAXMSGSIZE` as a protocol
+/// error, and does not connect it again: the socket is replaced (see [`Rank::replay`] and
+/// [`Rank::on_drop`]).
+struct Watched {
+    socket: zmq::Socket,
+    monitor: zmq::Socket,
+}
+
+impl Watched {
+    /// A socket of `kind`, set up by `setup`, bounded to `max_message_bytes`, connected to
+    /// `endpoint` and watched.
+    fn open(
+        ctx: &zmq::Context,
+        kind: zmq::SocketType,
+        endpoint: &str,
+        max_message_bytes: u64,
+        setup: impl FnOnce(&zmq::Socket) -> Result<(), zmq::Error>,
+    ) -> Result<Watched, zmq::Error> {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let socket = ctx.socket(kind)?;
+        socket.set_linger(0)?;
+        socket.set_maxmsgsize(max_msg(max_message_bytes))?;
+        setup(&socket)?;
+        let name = format!("inproc://kv-relay-monitor-{}", NEXT.fetch_add(1, Ordering::Relaxed));
+        socket.monitor(&name, zmq::SocketEvent::DISCONNECTED as i32)?;
+        let monitor = ctx.socket(zmq::PAIR)?;
+        monitor.set_linger(0)?;
+        monitor.connect(&name)?;
+        socket.connect(endpoint)?;
+        Ok(Watched { socket, monitor })
+    }
+
+    /// Forgets drops reported before now (the engine restarted between two replays).
+    fn forget_drops(&self) {
+        while self.monitor.recv_multipart(zmq::DONTWAIT).is_ok() {}
+    }
+
+    /// After a drop: what the socket still hands on, each message until none comes for
+    /// [`DROP_SETTLE`]. libzmq reports the drop before it hands on the messages it read
+    /// before the one it refused. `take` returns true to stop early.
+    fn settle(&self, mut take: impl FnMut(Vec<Vec<u8>>) -> bool) -> Result<(), zmq::Error> {
+        loop {
+            let mut items = [self.socket.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, DROP_SETTLE.as_millis() as i64)?;
+            if !items[0].is_readable() || take(self.socket.recv_multipart(0)?) {
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// The rank's SUB socket on the engine's PUB endpoint.
+fn open_sub(ctx: &zmq::Context, cfg: &RankConfig) -> Result<Watched, zmq::Error> {
+    Watched::open(ctx, zmq::SUB, &cfg.pub_endpoint, cfg.max_message_bytes, |sub| {
+        sub.set_rcvhwm(cfg.rcvhwm)?;
+        sub.set_reconnect_ivl(100)?;
+        sub.set_reconnect_ivl_max(2000)?;
+        sub.set_subscribe(cfg.topic.as_bytes())
+    })
+}
+
 struct Rank {
     cfg: RankConfig,
     ctx: zmq::Context,
-    dealer: Option<zmq::Socket>,
+    dealer: Option<Watched>,
+    /// The last replay's connection dropped while sending a batch: the batches it lost are
+    /// said to be lost that way.
+    replay_cut: bool,
     out: mpsc::Sender<IngestItem>,
     status: SharedRankStatus,
     normalizer: Normalizer,
@@ -187,18 +287,16 @@ pub fn run(
     status: SharedRankStatus,
     stop: Arc<AtomicBool>,
 ) -> Result<(), zmq::Error> {
-    let sub = ctx.socket(zmq::SUB)?;
-    sub.set_rcvhwm(cfg.rcvhwm)?;
-    sub.set_reconnect_ivl(100)?;
-    sub.set_reconnect_ivl_max(2000)?;
-    sub.set_subscribe(cfg.topic.as_bytes())?;
-    sub.connect(&cfg.pub_endpoint)?;
+    // A message over `max_message_bytes` drops the connection (without a bound libzmq would read
+    // any size into memory): the socket is replaced, and the batch comes back as a gap.
+    let sub = open_sub(&ctx, &cfg)?;
     let check = cfg.hash_check.clone().map(RankCheck::new);
     let check_on = check.is_some();
     let mut r = Rank {
         cfg,
         ctx,
         dealer: None,
+        replay_cut: false,
         out,
         status,
         normalizer: Normalizer::new(),
@@ -214,36 +312,68 @@ pub fn run(
         s.last_ts = r.last.map(|l| l.1);
         s.hash_check = check_on.then(CheckCounts::default);
     }
-    let result = r.main_loop(&sub, resume, &stop);
+    let result = r.main_loop(sub, resume, &stop);
     r.status.lock().expect("rank status").stopped = true;
     result
 }
 
 impl Rank {
-    fn main_loop(&mut self, sub: &zmq::Socket, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
+    fn main_loop(&mut self, mut sub: Watched, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
         if self.prime(resume).is_err() {
             return Ok(());
         }
         let mut last_probe = Instant::now();
         while !stop.load(Ordering::Relaxed) {
-            let mut items = [sub.as_poll_item(zmq::POLLIN)];
+            let mut items = [sub.socket.as_poll_item(zmq::POLLIN), sub.monitor.as_poll_item(zmq::POLLIN)];
             zmq::poll(&mut items, 100)?;
             if items[0].is_readable() {
-                let frames = sub.recv_multipart(0)?;
+                let frames = sub.socket.recv_multipart(0)?;
                 if self.on_live(&frames).is_err() {
                     return Ok(());
+                }
+                continue;
+            }
+            if items[1].is_readable() {
+                match self.on_drop(sub)? {
+                    Some(s) => sub = s,
+                    None => return Ok(()),
                 }
                 continue;
             }
             let quiet = self.last_live.elapsed() >= self.cfg.tail_probe;
             if quiet && last_probe.elapsed() >= self.cfg.tail_probe && self.cfg.replay_endpoint.is_some() {
                 last_probe = Instant::now();
-                if self.probe_tail(sub).is_err() {
+                if self.probe_tail(&sub.socket).is_err() {
                     return Ok(());
                 }
             }
         }
         Ok(())
+    }
+
+    /// The SUB's connection dropped: an engine restart, a network fault, or a message over
+    /// `max_message_bytes`, after which libzmq would not connect again. What the old socket
+    /// still holds is handed on, and a new socket replaces it; what the engine sent meanwhile
+    /// comes back as a gap. `None` when the channel closed.
+    fn on_drop(&mut self, sub: Watched) -> Result<Option<Watched>, zmq::Error> {
+        m::disconnect(self.rank());
+        self.update(|s| s.disconnects += 1);
+        tracing::warn!(
+            dp_rank = self.rank(),
+            endpoint = %self.cfg.pub_endpoint,
+            max_message_bytes = self.cfg.max_message_bytes,
+            "the engine's PUB connection dropped (an engine restart, or a message over max_message_bytes): connecting again"
+        );
+        let mut closed = false;
+        sub.settle(|frames| {
+            closed = self.on_live(&frames).is_err();
+            closed
+        })?;
+        if closed {
+            return Ok(None);
+        }
+        drop(sub);
+        open_sub(&self.ctx, &self.cfg).map(Some)
     }
 
     fn rank(&self) -> u32 {
@@ -400,13 +530,10 @@ impl Rank {
     fn refill(&mut self, from: u64, upto: u64) -> Result<(), Closed> {
         m::gap(self.rank());
         self.update(|s| s.gaps += 1);
-        let got = match self.replay(from) {
-            Ok(b) => b,
-            Err(e) => {
-                tracing::warn!(dp_rank = self.rank(), from, upto, error = %e, "gap cannot be refilled");
-                Vec::new()
-            }
-        };
+        let mut got = Vec::new();
+        if let Err(e) = self.replay(from, &mut got) {
+            tracing::warn!(dp_rank = self.rank(), from, upto, refilled = got.len(), error = %e, "gap cannot be refilled whole");
+        }
         let mut next = from;
         for (seq, payload) in got.into_iter().filter(|(s, _)| *s >= from && *s < upto) {
             if seq != next {
@@ -428,6 +555,13 @@ impl Rank {
         self.update(|s| s.lost += n);
         let reason = if self.cfg.replay_endpoint.is_none() {
             format!("{n} batches (seq {from}..{}) lost: no replay endpoint", upto - 1)
+        } else if self.replay_cut {
+            format!(
+                "{n} batches (seq {from}..{}) lost: the connection dropped while the engine sent them \
+                 (a message over max_message_bytes, {} bytes, drops it)",
+                upto - 1,
+                self.cfg.max_message_bytes
+            )
         } else {
             format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1)
         };
@@ -450,11 +584,13 @@ impl Rank {
     /// log, when it cannot be read.
     fn replay_from(&mut self, resume: Option<Resume>) -> Option<Vec<(u64, Vec<u8>)>> {
         self.cfg.replay_endpoint.as_ref()?;
-        match self.replay(resume.map_or(0, |r| r.last_seq)) {
-            Ok(b) => Some(b),
+        let mut got = Vec::new();
+        match self.replay(resume.map_or(0, |r| r.last_seq), &mut got) {
+            Ok(()) => Some(got),
             Err(e) => {
-                tracing::warn!(dp_rank = self.rank(), error = %e, "reading the replay socket failed");
-                None
+                tracing::warn!(dp_rank = self.rank(), read = got.len(), error = %e, "reading the replay socket failed");
+                // What arrived before the failure is in order from the seq asked for.
+                (!got.is_empty()).then_some(got)
             }
         }
     }
@@ -479,7 +615,10 @@ impl Rank {
                 "publisher changed while the relay was not receiving (seq {} at ts {} is not in its replay buffer)",
                 r.last_seq, r.last_ts
             ))?;
-            let all = self.replay(0).unwrap_or_default();
+            let mut all = Vec::new();
+            if let Err(e) = self.replay(0, &mut all) {
+                tracing::warn!(dp_rank = self.rank(), read = all.len(), error = %e, "reading the replay socket failed");
+            }
             return self.apply_from_zero(all);
         }
         self.apply_from_zero(got)
@@ -583,39 +722,97 @@ impl Rank {
         Ok(())
     }
 
-    /// Asks the replay socket for every buffered batch from `from`, until the end marker.
-    fn replay(&mut self, from: u64) -> Result<Vec<(u64, Vec<u8>)>, ReplayError> {
+    /// Asks the replay socket for every buffered batch from `from`, in order, into `out`; on an
+    /// error `out` keeps what arrived before it.
+    ///
+    /// A batch larger than `max_message_bytes` drops the DEALER's connection (libzmq reads no
+    /// further), and the engine's ROUTER drops the rest of its answer. The replay keeps the
+    /// batches before it and asks again from the seq after it, at most [`MAX_CUTS`] times: the
+    /// batch it could not take is a hole, which the caller's gap rule counts as lost, and the
+    /// batches after it are still refilled.
+    fn replay(&mut self, from: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<(), ReplayError> {
+        self.replay_cut = false;
+        let mut ask = from;
+        let mut cuts = 0;
+        loop {
+            let before = out.len();
+            match self.replay_once(ask, out)? {
+                Reply::End => return Ok(()),
+                Reply::Cut => {
+                    // The batch after the last one received did not arrive.
+                    let cut_at = if out.len() > before { out[out.len() - 1].0 + 1 } else { ask };
+                    cuts += 1;
+                    self.replay_cut = true;
+                    m::replay_cut(self.rank());
+                    self.update(|s| s.replay_cuts += 1);
+                    tracing::warn!(
+                        dp_rank = self.rank(),
+                        seq = cut_at,
+                        max_message_bytes = self.cfg.max_message_bytes,
+                        "the replay connection dropped while the engine sent a batch (a message over \
+                         max_message_bytes drops it): asking again past it"
+                    );
+                    if cuts == MAX_CUTS {
+                        return Err(ReplayError::Cut(cuts));
+                    }
+                    ask = cut_at + 1;
+                }
+            }
+        }
+    }
+
+    /// One replay request from `ask`: its batches are appended to `out`.
+    fn replay_once(&mut self, ask: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<Reply, ReplayError> {
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
             return Err(ReplayError::NoEndpoint);
         };
         if self.dealer.is_none() {
-            let d = self.ctx.socket(zmq::DEALER).map_err(ReplayError::Zmq)?;
-            d.set_linger(0).map_err(ReplayError::Zmq)?;
-            d.set_rcvhwm(0).map_err(ReplayError::Zmq)?;
-            d.connect(&endpoint).map_err(ReplayError::Zmq)?;
+            let d = Watched::open(&self.ctx, zmq::DEALER, &endpoint, self.cfg.max_message_bytes, |d| d.set_rcvhwm(0))
+                .map_err(ReplayError::Zmq)?;
             self.dealer = Some(d);
         }
         let d = self.dealer.as_ref().expect("dealer");
-        d.send_multipart([&b""[..], &from.to_be_bytes()[..]], 0).map_err(ReplayError::Zmq)?;
-        let mut out = Vec::new();
-        loop {
-            let mut items = [d.as_poll_item(zmq::POLLIN)];
-            zmq::poll(&mut items, self.cfg.replay_timeout.as_millis() as i64).map_err(ReplayError::Zmq)?;
-            if !items[0].is_readable() {
-                // Drop the socket so a late answer cannot be mistaken for the next one's.
-                self.dealer = None;
-                return Err(ReplayError::Timeout);
-            }
-            let frames = d.recv_multipart(0).map_err(ReplayError::Zmq)?;
+        d.forget_drops();
+        d.socket.send_multipart([&b""[..], &ask.to_be_bytes()[..]], 0).map_err(ReplayError::Zmq)?;
+        let take = |frames: Vec<Vec<u8>>, out: &mut Vec<(u64, Vec<u8>)>| {
             let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
             match wire::split_replay(&refs) {
-                Ok(ReplayReply::End) => return Ok(out),
-                Ok(ReplayReply::Batch(f)) => out.push((f.seq, f.payload.to_vec())),
+                Ok(ReplayReply::End) => true,
+                Ok(ReplayReply::Batch(f)) => {
+                    out.push((f.seq, f.payload.to_vec()));
+                    false
+                }
                 Err(e) => {
                     m::message_error(self.cfg.dp_rank, e.as_str());
-                    self.update(|s| s.message_errors += 1);
+                    self.status.lock().expect("rank status").message_errors += 1;
+                    false
                 }
             }
+        };
+        loop {
+            let mut items = [d.socket.as_poll_item(zmq::POLLIN), d.monitor.as_poll_item(zmq::POLLIN)];
+            zmq::poll(&mut items, self.cfg.replay_timeout.as_millis() as i64).map_err(ReplayError::Zmq)?;
+            if items[0].is_readable() {
+                // Replies first: what arrived before a drop is kept.
+                if take(d.socket.recv_multipart(0).map_err(ReplayError::Zmq)?, out) {
+                    return Ok(Reply::End);
+                }
+                continue;
+            }
+            if items[1].is_readable() {
+                // Dropped: the replies read before the drop first.
+                let mut end = false;
+                d.settle(|frames| {
+                    end = take(frames, out);
+                    end
+                })
+                .map_err(ReplayError::Zmq)?;
+                self.dealer = None;
+                return Ok(if end { Reply::End } else { Reply::Cut });
+            }
+            // Drop the socket so a late answer cannot be mistaken for the next one's.
+            self.dealer = None;
+            return Err(ReplayError::Timeout);
         }
     }
 }
