@@ -677,7 +677,7 @@ pub fn oversized(_scale: Scale) -> Report {
         "one batch of 16 MiB against max_message_bytes of 1 MiB",
         "that batch alone lost, the rank degraded with the bound named; relay RSS does not take it; recovers at the next clear; equal",
     );
-    use crate::wire::{BlockHash, EngineEvent, Stored, TokenIds};
+    use crate::wire::EngineEvent;
     let cx = Ctx::new();
     let e = engine(2, 10_000);
     let r = cx.relay(&e, &["--max-message-bytes", "1048576"]);
@@ -687,14 +687,8 @@ pub fn oversized(_scale: Scale) -> Report {
     expect_equal(&mut rep, &e, Some(&t), &[&a], "before", Duration::from_secs(10));
     let m0 = r.metrics_text();
     let rss0 = r.rss_kib().unwrap_or(0);
-    // About 29 bytes a block: 4 token ids past u16 and a 64-bit hash.
     let blocks = 600_000u64;
-    let big = vec![EngineEvent::Stored(Stored {
-        hashes: (0..blocks).map(|i| BlockHash::U64(u64::MAX - i)).collect(),
-        token_ids: TokenIds::Single((0..blocks * 4).map(|t| 100_000 + t).collect()),
-        block_size: 4,
-        ..Stored::default()
-    })];
+    let big = vec![EngineEvent::large_store(blocks)];
     let size =
         crate::wire::encode_batch(&e.wire(), &crate::wire::Batch { ts: 0.0, events: big.clone(), dp_rank: Some(1) })
             .len();

@@ -414,6 +414,18 @@ impl EngineEvent {
             EngineEvent::Cleared => "AllBlocksCleared",
         }
     }
+
+    /// One stored event of `blocks` blocks of 4 token ids past `u16` (5 bytes each in msgpack)
+    /// under 64-bit hashes counting down from `u64::MAX`: about 29 bytes a block on the wire,
+    /// for batches larger than a bound.
+    pub fn large_store(blocks: u64) -> EngineEvent {
+        EngineEvent::Stored(Stored {
+            hashes: (0..blocks).map(|i| BlockHash::U64(u64::MAX - i)).collect(),
+            token_ids: TokenIds::Single((0..blocks * 4).map(|t| 100_000 + t).collect()),
+            block_size: 4,
+            ..Stored::default()
+        })
+    }
 }
 
 /// A `KVEventBatch`.

@@ -9,7 +9,7 @@ use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, Garbage, MockEngine};
 use kv_relay_testkit::fixtures::{self, Fixture};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
-use kv_relay_testkit::wire::{encode_batch, Batch, BlockHash, Engine, EngineEvent, Stored, TokenIds, WireVersion};
+use kv_relay_testkit::wire::{encode_batch, Batch, Engine, EngineEvent, WireVersion};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -398,17 +398,6 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
     );
 }
 
-/// A batch of one stored event of `blocks` blocks of 4 token ids past `u16` (5 bytes each in
-/// msgpack): about 29 bytes a block on the wire.
-fn big_store(blocks: u64) -> Vec<EngineEvent> {
-    vec![EngineEvent::Stored(Stored {
-        hashes: (0..blocks).map(|i| BlockHash::U64(u64::MAX - i)).collect(),
-        token_ids: TokenIds::Single((0..blocks * 4).map(|t| 100_000 + t).collect()),
-        block_size: 4,
-        ..Stored::default()
-    })]
-}
-
 /// Two batches only in the replay buffer, then one past `max_message_bytes` (64 KiB: it drops
 /// the SUB's connection, and the DEALER's when a replay reaches it), then three more: the
 /// refused batch is the one lost, the five around it are refilled or live, in order. With
@@ -430,7 +419,7 @@ fn a_refused_batch_is_lost_alone(by_probe: bool) {
     let seen_before = relay.seen.lock().unwrap().order.len();
     e.drop_on_wire(0, 2).unwrap();
     traffic_until(&e, 0, &mut src, next + 2);
-    let big = big_store(4_000);
+    let big = vec![EngineEvent::large_store(4_000)];
     let size = encode_batch(&vllm(), &Batch { ts: 0.0, events: big.clone(), dp_rank: Some(0) }).len();
     assert!(size > 100_000, "{size}");
     e.publish(0, big).unwrap();
