@@ -401,15 +401,14 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
 /// Two batches only in the replay buffer, then one past `max_message_bytes` (64 KiB: it drops
 /// the SUB's connection, and the DEALER's when a replay reaches it), then three more: the
 /// refused batch is the one lost, the five around it are refilled or live, in order. With
-/// `by_probe`, the three come at once, all while the SUB reconnects, so the quiet rank's tail
-/// probe finds them; else more follow until the SUB takes one live, and its gap finds them.
+/// `by_probe`, the three are only in the replay buffer too, so the quiet rank's tail probe
+/// finds them (a second after the last live batch: everything is published well before); else
+/// more follow until the replaced SUB takes one live, and its gap finds them.
 fn a_refused_batch_is_lost_alone(by_probe: bool) {
     let e = engine(vllm(), 1, true, 10_000);
     let mut cfg = relay_cfg(&e);
     cfg.max_message_bytes = 64 << 10;
-    if !by_probe {
-        cfg.tail_probe = Duration::from_secs(600);
-    }
+    cfg.tail_probe = Duration::from_secs(if by_probe { 1 } else { 600 });
     let relay = Relay::start(cfg, BTreeMap::new());
     let mut src = RandomSource::new(11, 4, 6);
     warm_up(&relay, &e, &mut src);
@@ -423,6 +422,9 @@ fn a_refused_batch_is_lost_alone(by_probe: bool) {
     let size = encode_batch(&vllm(), &Batch { ts: 0.0, events: big.clone(), dp_rank: Some(0) }).len();
     assert!(size > 100_000, "{size}");
     e.publish(0, big).unwrap();
+    if by_probe {
+        e.drop_on_wire(0, 3).unwrap();
+    }
     let mut end = next + 6;
     traffic_until(&e, 0, &mut src, end);
     if !by_probe {
