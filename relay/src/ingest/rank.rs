@@ -822,3 +822,22 @@ impl Rank {
 fn same_batch(payload: &[u8], r: Resume) -> bool {
     wire::decode_batch(payload).is_ok_and(|b| b.ts.to_bits() == r.last_ts.to_bits())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bound_past_i64_is_no_bound_and_the_sockets_take_every_bound() {
+        assert_eq!(max_msg(16 << 20), 16 << 20);
+        assert_eq!(max_msg(i64::MAX as u64), i64::MAX);
+        assert_eq!(max_msg(i64::MAX as u64 + 1), -1);
+        assert_eq!(max_msg(u64::MAX), -1);
+        // libzmq takes each of them (a negative other than -1 would be refused).
+        let ctx = zmq::Context::new();
+        for bytes in [64 << 10, 16 << 20, u64::MAX] {
+            let w = Watched::open(&ctx, zmq::DEALER, "tcp://127.0.0.1:1", bytes, |_| Ok(())).unwrap();
+            assert_eq!(w.socket.get_maxmsgsize().unwrap(), max_msg(bytes));
+        }
+    }
+}
