@@ -221,13 +221,16 @@ impl Watched {
 
     /// After a drop: what the socket still hands on, each message until none comes for
     /// [`DROP_SETTLE`]. libzmq reports the drop before it hands on the messages it read
-    /// before the one it refused. `take` returns true to stop early.
-    fn settle(&self, mut take: impl FnMut(Vec<Vec<u8>>) -> bool) -> Result<(), zmq::Error> {
+    /// before the one it refused. `take` returns true to stop early, and then so does this.
+    fn settle(&self, mut take: impl FnMut(Vec<Vec<u8>>) -> bool) -> Result<bool, zmq::Error> {
         loop {
             let mut items = [self.socket.as_poll_item(zmq::POLLIN)];
             zmq::poll(&mut items, DROP_SETTLE.as_millis() as i64)?;
-            if !items[0].is_readable() || take(self.socket.recv_multipart(0)?) {
-                return Ok(());
+            if !items[0].is_readable() {
+                return Ok(false);
+            }
+            if take(self.socket.recv_multipart(0)?) {
+                return Ok(true);
             }
         }
     }
@@ -364,12 +367,7 @@ impl Rank {
             max_message_bytes = self.cfg.max_message_bytes,
             "the engine's PUB connection dropped (an engine restart, or a message over max_message_bytes): connecting again"
         );
-        let mut closed = false;
-        sub.settle(|frames| {
-            closed = self.on_live(&frames).is_err();
-            closed
-        })?;
-        if closed {
+        if sub.settle(|frames| self.on_live(&frames).is_err())? {
             return Ok(None);
         }
         drop(sub);
@@ -615,10 +613,7 @@ impl Rank {
                 "publisher changed while the relay was not receiving (seq {} at ts {} is not in its replay buffer)",
                 r.last_seq, r.last_ts
             ))?;
-            let mut all = Vec::new();
-            if let Err(e) = self.replay(0, &mut all) {
-                tracing::warn!(dp_rank = self.rank(), read = all.len(), error = %e, "reading the replay socket failed");
-            }
+            let all = self.replay_from(None).unwrap_or_default();
             return self.apply_from_zero(all);
         }
         self.apply_from_zero(got)
@@ -801,12 +796,7 @@ impl Rank {
             }
             if items[1].is_readable() {
                 // Dropped: the replies read before the drop first.
-                let mut end = false;
-                d.settle(|frames| {
-                    end = take(frames, out);
-                    end
-                })
-                .map_err(ReplayError::Zmq)?;
+                let end = d.settle(|frames| take(frames, out)).map_err(ReplayError::Zmq)?;
                 self.dealer = None;
                 return Ok(if end { Reply::End } else { Reply::Cut });
             }
