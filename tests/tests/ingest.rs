@@ -439,7 +439,10 @@ fn a_refused_batch_is_lost_alone(by_probe: bool) {
             false
         });
     }
-    wait_for("the last batch", || relay.status(0).last_seq == Some(end - 1));
+    // The status is updated before the batch reaches the collector: wait for both.
+    wait_for("the last batch", || {
+        relay.status(0).last_seq == Some(end - 1) && relay.seen.lock().unwrap().order.last() == Some(&(0, end - 1))
+    });
     wait_health(&relay, 0, Health::Degraded, 1);
     let after = relay.status(0);
     assert_eq!(after.lost - before.lost, 1);
