@@ -266,6 +266,39 @@ struct Rank {
     health: Health,
     /// When the SUB socket last delivered a message: the rank is quiet `tail_probe` after it.
     last_live: Instant,
+    /// The warnings of a dropped SUB connection, and of a replay cut short or not refilled
+    /// whole: a peer can cause one per message.
+    drop_warn: Throttle,
+    replay_warn: Throttle,
+}
+
+/// How often a warning that a peer can cause once per message is logged at most (its counters
+/// count every one).
+const WARN_EVERY: Duration = Duration::from_secs(10);
+
+/// A warning logged the first time, then at most once every [`WARN_EVERY`], saying how many
+/// were held back since the last one logged.
+#[derive(Debug, Default)]
+struct Throttle {
+    /// When the next one may be logged.
+    next: Option<Instant>,
+    held: u64,
+}
+
+impl Throttle {
+    /// `Some(held back since the last one logged)` when this one is to be logged at `now`.
+    fn pass(&mut self, now: Instant) -> Option<u64> {
+        match self.next {
+            Some(next) if now < next => {
+                self.held += 1;
+                None
+            }
+            _ => {
+                self.next = Some(now + WARN_EVERY);
+                Some(std::mem::take(&mut self.held))
+            }
+        }
+    }
 }
 
 /// How many recent (seq, ts) pairs are remembered to tell duplicates from restarts. A replay
@@ -308,6 +341,8 @@ pub fn run(
         recent: resume.map(|r| (r.last_seq, r.last_ts)).into_iter().collect(),
         health: Health::Ok,
         last_live: Instant::now(),
+        drop_warn: Throttle::default(),
+        replay_warn: Throttle::default(),
     };
     {
         let mut s = r.status.lock().expect("rank status");
@@ -361,12 +396,15 @@ impl Rank {
     fn on_drop(&mut self, sub: Watched) -> Result<Option<Watched>, zmq::Error> {
         m::disconnect(self.rank());
         self.update(|s| s.disconnects += 1);
-        tracing::warn!(
-            dp_rank = self.rank(),
-            endpoint = %self.cfg.pub_endpoint,
-            max_message_bytes = self.cfg.max_message_bytes,
-            "the engine's PUB connection dropped (an engine restart, or a message over max_message_bytes): connecting again"
-        );
+        if let Some(held_back) = self.drop_warn.pass(Instant::now()) {
+            tracing::warn!(
+                dp_rank = self.rank(),
+                endpoint = %self.cfg.pub_endpoint,
+                max_message_bytes = self.cfg.max_message_bytes,
+                held_back,
+                "the engine's PUB connection dropped (an engine restart, or a message over max_message_bytes): connecting again"
+            );
+        }
         if sub.settle(|frames| self.on_live(&frames).is_err())? {
             return Ok(None);
         }
@@ -530,7 +568,9 @@ impl Rank {
         self.update(|s| s.gaps += 1);
         let mut got = Vec::new();
         if let Err(e) = self.replay(from, &mut got) {
-            tracing::warn!(dp_rank = self.rank(), from, upto, refilled = got.len(), error = %e, "gap cannot be refilled whole");
+            if let Some(held_back) = self.replay_warn.pass(Instant::now()) {
+                tracing::warn!(dp_rank = self.rank(), from, upto, refilled = got.len(), error = %e, held_back, "gap cannot be refilled whole");
+            }
         }
         let mut next = from;
         for (seq, payload) in got.into_iter().filter(|(s, _)| *s >= from && *s < upto) {
@@ -740,13 +780,16 @@ impl Rank {
                     self.replay_cut = true;
                     m::replay_cut(self.rank());
                     self.update(|s| s.replay_cuts += 1);
-                    tracing::warn!(
-                        dp_rank = self.rank(),
-                        seq = cut_at,
-                        max_message_bytes = self.cfg.max_message_bytes,
-                        "the replay connection dropped while the engine sent a batch (a message over \
-                         max_message_bytes drops it): asking again past it"
-                    );
+                    if let Some(held_back) = self.replay_warn.pass(Instant::now()) {
+                        tracing::warn!(
+                            dp_rank = self.rank(),
+                            seq = cut_at,
+                            max_message_bytes = self.cfg.max_message_bytes,
+                            held_back,
+                            "the replay connection dropped while the engine sent a batch (a message over \
+                             max_message_bytes drops it): asking again past it"
+                        );
+                    }
                     if cuts == MAX_CUTS {
                         return Err(ReplayError::Cut(cuts));
                     }
@@ -816,6 +859,24 @@ fn same_batch(payload: &[u8], r: Resume) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_throttled_warning_passes_first_then_once_per_interval_with_the_count_held_back() {
+        let mut t = Throttle::default();
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        assert_eq!(t.pass(at(0)), Some(0));
+        assert_eq!(t.pass(at(1)), None);
+        assert_eq!(t.pass(at(9_999)), None);
+        // The interval is measured from the last one logged.
+        assert_eq!(t.pass(at(10_000)), Some(2));
+        assert_eq!(t.pass(at(10_001)), None);
+        assert_eq!(t.pass(at(19_999)), None);
+        assert_eq!(t.pass(at(20_000)), Some(2));
+        // After a quiet spell the next passes at once, with nothing held back.
+        assert_eq!(t.pass(at(60_000)), Some(0));
+        assert_eq!(t.pass(at(60_000)), None);
+    }
 
     #[test]
     fn a_bound_past_i64_is_no_bound_and_the_sockets_take_every_bound() {
