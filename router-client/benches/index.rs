@@ -42,8 +42,9 @@
 //! load. Each sample also holds what the timer itself takes (`timer_cost`, read on the same
 //! thread right after the run and printed with it, about 25-30 ns here); the latency ratios
 //! are printed as measured and net of it (both peers' percentiles less their own run's
-//! reading), since a constant added to both pulls a ratio toward 1. Dynamo's thread-pool indexer gets the same number of apply threads (its own); the
-//! bench thread only enqueues prebuilt events (with a flush every 4,096, so queues stay short).
+//! reading), since a constant added to both pulls a ratio toward 1. Dynamo's thread-pool
+//! indexer gets the same number of apply threads (its own); the bench thread only enqueues
+//! prebuilt events (with a flush every 4,096, so queues stay short).
 //! Dynamo's `RadixTree` is single-threaded (`Rc` nodes, no concurrent reads): its one thread
 //! applies the events and does one lookup every 8 events; ops/s counts only the apply time.
 //! Memory: the allocator's live bytes after the stream, minus before the peer was built
