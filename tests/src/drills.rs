@@ -715,11 +715,15 @@ pub fn oversized(_scale: Scale) -> Report {
     std::thread::sleep(Duration::from_millis(300));
     rss_max = rss_max.max(r.rss_kib().unwrap_or(0));
     let m1 = r.metrics_text();
-    let by = |name: &str| {
-        metric(&m1, name, &["rank=\"1\""]).unwrap_or(0.0) - metric(&m0, name, &["rank=\"1\""]).unwrap_or(0.0)
+    // Rank 1's counters in `m` since the first reading, and the three this drill counts.
+    let since = |m: &str, name: &str| {
+        metric(m, name, &["rank=\"1\""]).unwrap_or(0.0) - metric(&m0, name, &["rank=\"1\""]).unwrap_or(0.0)
     };
-    let (lost, drops, cuts) =
-        (by("kv_relay_lost_batches_total"), by("kv_relay_disconnects_total"), by("kv_relay_replay_cuts_total"));
+    let counted = |m: &str| {
+        let by = |name| since(m, name);
+        (by("kv_relay_lost_batches_total"), by("kv_relay_disconnects_total"), by("kv_relay_replay_cuts_total"))
+    };
+    let (lost, drops, cuts) = counted(&m1);
     rep.measure(format!("rank 1: lost {lost}, PUB connection drops {drops}, replay cuts {cuts}"));
     rep.check(lost == 1.0, format!("lost {lost} batches, not the one"));
     rep.check(drops >= 1.0 && cuts >= 1.0, "no drop or no replay cut counted");
@@ -733,17 +737,10 @@ pub fn oversized(_scale: Scale) -> Report {
     let again = wait_until(Duration::from_secs(5), || live(&r.metrics_text()) > live1);
     rep.check(again.is_some(), "rank 1's SUB delivered nothing after it was replaced");
     e.publish(1, big).expect("publish");
-    let now = |name: &str| metric(&r.metrics_text(), name, &["rank=\"1\""]).unwrap_or(0.0);
-    let lost0 = metric(&m0, "kv_relay_lost_batches_total", &["rank=\"1\""]).unwrap_or(0.0);
-    let second = wait_until(Duration::from_secs(10), || now("kv_relay_lost_batches_total") - lost0 >= 2.0);
+    let second = wait_until(Duration::from_secs(10), || since(&r.metrics_text(), "kv_relay_lost_batches_total") >= 2.0);
     rep.check(second.is_some(), "the second batch was not counted lost");
     std::thread::sleep(Duration::from_millis(300));
-    let m2 = r.metrics_text();
-    let by2 = |name: &str| {
-        metric(&m2, name, &["rank=\"1\""]).unwrap_or(0.0) - metric(&m0, name, &["rank=\"1\""]).unwrap_or(0.0)
-    };
-    let (lost, drops, cuts) =
-        (by2("kv_relay_lost_batches_total"), by2("kv_relay_disconnects_total"), by2("kv_relay_replay_cuts_total"));
+    let (lost, drops, cuts) = counted(&r.metrics_text());
     let log = std::fs::read_to_string(&r.log).unwrap_or_default();
     let lines = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
     let (drop_lines, cut_lines) =
