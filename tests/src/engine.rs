@@ -428,6 +428,12 @@ impl MockEngine {
         Ok(self.rank(rank)?.handle.send(Cmd::DropWire(n))?)
     }
 
+    /// `rank`'s next replay answer sends at most `n` batches and then nothing, not even the end
+    /// marker, as an engine that stops answering: the asker's timeout ends it.
+    pub fn stall_replay(&self, rank: u32, n: u64) -> Result<(), EngineError> {
+        Ok(self.rank(rank)?.handle.send(Cmd::StallReplay(n))?)
+    }
+
     /// The next `n` batches of `rank` get a seq but go neither on the wire nor to the buffer
     /// (a gap nobody can refill).
     pub fn lose(&self, rank: u32, n: u64) -> Result<(), EngineError> {

@@ -143,6 +143,10 @@ pub(crate) enum Cmd {
     /// replay socket has answered a request: a subscriber asking the replay meanwhile gets them
     /// there first.
     WireAfterReplay(u64),
+    /// The next replay request is answered with at most N batches and no end marker, as by an
+    /// engine that stops answering: the asker's timeout ends it. Later requests are answered
+    /// whole.
+    StallReplay(u64),
     /// Forget buffered batches, keeping only the newest `keep`.
     TrimBuffer(usize),
     /// Hold publishing for this long: batches wait, then go out in order.
@@ -190,6 +194,7 @@ impl RankHandle {
             buffer: VecDeque::new(),
             drop_wire: 0,
             wire_after_replay: 0,
+            stall_replay: None,
             after_replay: Vec::new(),
             lose: 0,
             hold_until: None,
@@ -268,6 +273,8 @@ struct Worker {
     drop_wire: u64,
     lose: u64,
     wire_after_replay: u64,
+    /// `StallReplay`: how many batches the next replay answer sends before it stops.
+    stall_replay: Option<u64>,
     /// Batches buffered under `WireAfterReplay`, sent once a replay request has been answered.
     after_replay: Vec<[Vec<u8>; 3]>,
     hold_until: Option<Instant>,
@@ -425,6 +432,7 @@ impl Worker {
             Cmd::DropWire(n) => self.drop_wire += n,
             Cmd::Lose(n) => self.lose += n,
             Cmd::WireAfterReplay(n) => self.wire_after_replay += n,
+            Cmd::StallReplay(n) => self.stall_replay = Some(n),
             Cmd::TrimBuffer(keep) => {
                 while self.buffer.len() > keep {
                     self.buffer.pop_front();
@@ -542,7 +550,9 @@ impl Worker {
             let start = u64::from_be_bytes(seq8);
             let id = &frames[0];
             let layout = self.cfg.replay_layout;
-            for b in self.buffer.iter().filter(|b| b.seq >= start) {
+            let stall = self.stall_replay.take();
+            let limit = stall.map_or(usize::MAX, |n| n as usize);
+            for b in self.buffer.iter().filter(|b| b.seq >= start).take(limit) {
                 let seq = b.seq.to_be_bytes();
                 let r = match layout {
                     ReplayLayout::Old => router.send_multipart([id.as_slice(), b"", &seq, &b.payload], 0),
@@ -551,6 +561,9 @@ impl Worker {
                 if r.is_ok() {
                     self.counters.replayed_batches += 1;
                 }
+            }
+            if stall.is_some() {
+                continue;
             }
             let _ = match layout {
                 ReplayLayout::Old => router.send_multipart([id.as_slice(), b"", &END_SEQ, b""], 0),

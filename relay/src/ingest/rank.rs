@@ -140,7 +140,8 @@ pub type SharedRankStatus = Arc<Mutex<RankStatus>>;
 #[derive(Debug)]
 enum ReplayError {
     NoEndpoint,
-    Timeout,
+    /// Nothing came for this long.
+    Timeout(Duration),
     /// The connection dropped while sending a batch this many times in one replay.
     Cut(u32),
     Zmq(zmq::Error),
@@ -150,7 +151,9 @@ impl std::fmt::Display for ReplayError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
             ReplayError::NoEndpoint => f.write_str("no replay endpoint configured"),
-            ReplayError::Timeout => f.write_str("the replay socket did not answer in time"),
+            ReplayError::Timeout(t) => {
+                write!(f, "the replay socket did not answer within replay_timeout_ms, {}", t.as_millis())
+            }
             ReplayError::Cut(n) => write!(f, "the replay connection dropped while sending a batch, {n} times"),
             ReplayError::Zmq(e) => write!(f, "replay socket: {e}"),
         }
@@ -253,6 +256,9 @@ struct Rank {
     /// The last replay's connection dropped while sending a batch: the batches it lost are
     /// said to be lost that way.
     replay_cut: bool,
+    /// Why the last replay ended before the end marker (it timed out, or its socket failed):
+    /// the batches it did not bring are said to be lost that way.
+    replay_failed: Option<String>,
     out: mpsc::Sender<IngestItem>,
     status: SharedRankStatus,
     normalizer: Normalizer,
@@ -333,6 +339,7 @@ pub fn run(
         ctx,
         dealer: None,
         replay_cut: false,
+        replay_failed: None,
         out,
         status,
         normalizer: Normalizer::new(),
@@ -593,13 +600,19 @@ impl Rank {
         self.update(|s| s.lost += n);
         let reason = if self.cfg.replay_endpoint.is_none() {
             format!("{n} batches (seq {from}..{}) lost: no replay endpoint", upto - 1)
-        } else if self.replay_cut {
-            format!(
-                "{n} batches (seq {from}..{}) lost: the connection dropped while the engine sent them \
-                 (a message over max_message_bytes, {} bytes, drops it)",
-                upto - 1,
-                self.cfg.max_message_bytes
-            )
+        } else if self.replay_cut || self.replay_failed.is_some() {
+            let mut why = Vec::new();
+            if self.replay_cut {
+                why.push(format!(
+                    "the connection dropped while the engine sent them (a message over max_message_bytes, {} bytes, \
+                     drops it)",
+                    self.cfg.max_message_bytes
+                ));
+            }
+            if let Some(e) = &self.replay_failed {
+                why.push(format!("the replay ended before the engine sent them all ({e})"));
+            }
+            format!("{n} batches (seq {from}..{}) lost: {}", upto - 1, why.join("; "))
         } else {
             format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1)
         };
@@ -767,11 +780,13 @@ impl Rank {
     /// batches after it are still refilled.
     fn replay(&mut self, from: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<(), ReplayError> {
         self.replay_cut = false;
+        self.replay_failed = None;
         let mut ask = from;
         let mut cuts = 0;
         loop {
             let before = out.len();
-            match self.replay_once(ask, out)? {
+            let reply = self.replay_once(ask, out).inspect_err(|e| self.replay_failed = Some(e.to_string()));
+            match reply? {
                 Reply::End => return Ok(()),
                 Reply::Cut => {
                     // The batch after the last one received did not arrive.
@@ -845,7 +860,7 @@ impl Rank {
             }
             // Drop the socket so a late answer cannot be mistaken for the next one's.
             self.dealer = None;
-            return Err(ReplayError::Timeout);
+            return Err(ReplayError::Timeout(self.cfg.replay_timeout));
         }
     }
 }
