@@ -480,50 +480,74 @@ fn a_batch_over_max_message_bytes_is_lost_alone_and_the_gap_refills_the_rest() {
 /// Ten batches only in the replay buffer, then a live one: the gap's replay answer stops after
 /// four (the engine stops answering; no end marker). The relay keeps the four once its replay
 /// times out, counts the other six lost with that reason, and hands on the live one after
-/// them.
-#[test]
-fn a_replay_that_stops_answering_keeps_what_came_and_loses_only_the_rest() {
+/// them. With `forgotten`, the buffer has also forgotten the first that many of the ten before
+/// the relay asks: its answer starts past the gap, and those are lost beyond the buffer, in a
+/// hole of their own, not to the timeout.
+fn a_stalled_replay_keeps_what_came(forgotten: u64, seed: u64) {
     let e = engine(vllm(), 1, true, 10_000);
     let mut cfg = relay_cfg(&e);
     cfg.replay_timeout = Duration::from_millis(300);
     cfg.tail_probe = Duration::from_secs(600);
     let relay = Relay::start(cfg, BTreeMap::new());
-    let mut src = RandomSource::new(12, 4, 6);
+    let mut src = RandomSource::new(seed, 4, 6);
     warm_up(&relay, &e, &mut src);
     e.flush().unwrap();
     let next = e.stats(0).unwrap().next_seq;
     let before = relay.status(0);
     let seen_before = relay.seen.lock().unwrap().order.len();
     e.drop_on_wire(0, 10).unwrap();
+    traffic_until(&e, 0, &mut src, next + 10);
+    e.trim_buffer(0, (10 - forgotten) as usize).unwrap();
     e.stall_replay(0, 4).unwrap();
     traffic_until(&e, 0, &mut src, next + 11);
     wait_for("the live batch", || {
         relay.status(0).last_seq == Some(next + 10) && relay.seen.lock().unwrap().order.last() == Some(&(0, next + 10))
     });
-    wait_health(&relay, 0, Health::Degraded, 1);
+    let mut want = Vec::new();
+    if forgotten > 0 {
+        want.push(format!(
+            "{forgotten} batches (seq {next}..{}) lost beyond the engine's replay buffer",
+            next + forgotten - 1
+        ));
+    }
+    let stop = next + forgotten + 4;
+    want.push(format!(
+        "{} batches (seq {stop}..{}) lost: the replay ended before the engine sent them all \
+         (the replay socket did not answer within replay_timeout_ms, 300)",
+        next + 10 - stop,
+        next + 9
+    ));
+    wait_health(&relay, 0, Health::Degraded, want.len());
     let after = relay.status(0);
     assert_eq!(
         (after.lost - before.lost, after.gaps - before.gaps, after.batches - before.batches, after.replay_cuts),
         (6, 1, 5, before.replay_cuts)
     );
     let order: Vec<u64> = relay.seen.lock().unwrap().order[seen_before..].iter().map(|o| o.1).collect();
-    assert_eq!(order, (next..next + 4).chain([next + 10]).collect::<Vec<_>>());
-    let c = controls_of(&relay, 0);
-    assert!(
-        matches!(&c[..], [ControlKind::RankDegraded { reason }]
-        if reason == &format!(
-            "6 batches (seq {}..{}) lost: the replay ended before the engine sent them all \
-             (the replay socket did not answer within replay_timeout_ms, 300)",
-            next + 4,
-            next + 9
-        )),
-        "{c:?}"
-    );
+    assert_eq!(order, (next + forgotten..stop).chain([next + 10]).collect::<Vec<_>>());
+    let reasons: Vec<String> = controls_of(&relay, 0)
+        .into_iter()
+        .map(|k| match k {
+            ControlKind::RankDegraded { reason } => reason,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(reasons, want);
     // The next replay is answered whole; a clear makes the rank known again.
     e.clear(0).unwrap();
     traffic(&e, 0, &mut src, 3);
-    wait_health(&relay, 0, Health::Ok, 2);
+    wait_health(&relay, 0, Health::Ok, want.len() + 1);
     wait_equal(&relay, &e);
+}
+
+#[test]
+fn a_replay_that_stops_answering_keeps_what_came_and_loses_only_the_rest() {
+    a_stalled_replay_keeps_what_came(0, 12);
+}
+
+#[test]
+fn a_replay_that_starts_past_the_gap_and_stops_answering_says_why_each_hole_is_lost() {
+    a_stalled_replay_keeps_what_came(3, 13);
 }
 
 /// Runs a relay until it equals the truth after some traffic, stops it, and returns where it

@@ -174,6 +174,38 @@ enum Reply {
 /// How many times one replay asks again past a batch that dropped its connection.
 const MAX_CUTS: u32 = 16;
 
+/// How a replay fell short of the whole answer, and where, so that each hole it left is said to
+/// be lost for its own cause. A hole can also have none of them: the engine's buffer no longer
+/// held those batches (it rolled past them, or had never held them).
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Shortfall {
+    /// The seqs whose batch dropped the connection (a message over `max_message_bytes`): each
+    /// was asked past.
+    cuts: Vec<u64>,
+    /// Why the replay ended before the end marker (it timed out, its socket failed, or it was
+    /// cut [`MAX_CUTS`] times), and the seq it stopped at: the first it did not bring.
+    failed: Option<(u64, String)>,
+}
+
+impl Shortfall {
+    /// Why `from .. upto` is lost, when this replay's shortfall is why: a hole holding a cut
+    /// batch lost it to the cut, and a hole reaching past where the replay stopped lost those
+    /// batches to the failure. `None` for a hole the answer had closed on both sides.
+    fn why(&self, from: u64, upto: u64, max_message_bytes: u64) -> Option<String> {
+        let mut why = Vec::new();
+        if self.cuts.iter().any(|&c| from <= c && c < upto) {
+            why.push(format!(
+                "the connection dropped while the engine sent them (a message over max_message_bytes, \
+                 {max_message_bytes} bytes, drops it)"
+            ));
+        }
+        if let Some((_, e)) = self.failed.as_ref().filter(|(stop, _)| upto > *stop) {
+            why.push(format!("the replay ended before the engine sent them all ({e})"));
+        }
+        (!why.is_empty()).then(|| why.join("; "))
+    }
+}
+
 /// How long a socket whose connection dropped is read for the messages libzmq read before the
 /// drop (they are handed on within microseconds of it; the margin is for a loaded host).
 const DROP_SETTLE: Duration = Duration::from_millis(100);
@@ -253,12 +285,8 @@ struct Rank {
     cfg: RankConfig,
     ctx: zmq::Context,
     dealer: Option<Watched>,
-    /// The last replay's connection dropped while sending a batch: the batches it lost are
-    /// said to be lost that way.
-    replay_cut: bool,
-    /// Why the last replay ended before the end marker (it timed out, or its socket failed):
-    /// the batches it did not bring are said to be lost that way.
-    replay_failed: Option<String>,
+    /// How the last replay fell short, and where: a hole it left is said to be lost that way.
+    replay_short: Shortfall,
     out: mpsc::Sender<IngestItem>,
     status: SharedRankStatus,
     normalizer: Normalizer,
@@ -338,8 +366,7 @@ pub fn run(
         cfg,
         ctx,
         dealer: None,
-        replay_cut: false,
-        replay_failed: None,
+        replay_short: Shortfall::default(),
         out,
         status,
         normalizer: Normalizer::new(),
@@ -600,21 +627,11 @@ impl Rank {
         self.update(|s| s.lost += n);
         let reason = if self.cfg.replay_endpoint.is_none() {
             format!("{n} batches (seq {from}..{}) lost: no replay endpoint", upto - 1)
-        } else if self.replay_cut || self.replay_failed.is_some() {
-            let mut why = Vec::new();
-            if self.replay_cut {
-                why.push(format!(
-                    "the connection dropped while the engine sent them (a message over max_message_bytes, {} bytes, \
-                     drops it)",
-                    self.cfg.max_message_bytes
-                ));
-            }
-            if let Some(e) = &self.replay_failed {
-                why.push(format!("the replay ended before the engine sent them all ({e})"));
-            }
-            format!("{n} batches (seq {from}..{}) lost: {}", upto - 1, why.join("; "))
         } else {
-            format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1)
+            match self.replay_short.why(from, upto, self.cfg.max_message_bytes) {
+                Some(why) => format!("{n} batches (seq {from}..{}) lost: {why}", upto - 1),
+                None => format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1),
+            }
         };
         if self.last.is_none() && from == 0 {
             // Nothing known before this: old blocks may be missing, none is stale.
@@ -779,20 +796,25 @@ impl Rank {
     /// batch it could not take is a hole, which the caller's gap rule counts as lost, and the
     /// batches after it are still refilled.
     fn replay(&mut self, from: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<(), ReplayError> {
-        self.replay_cut = false;
-        self.replay_failed = None;
+        self.replay_short = Shortfall::default();
         let mut ask = from;
         let mut cuts = 0;
         loop {
             let before = out.len();
-            let reply = self.replay_once(ask, out).inspect_err(|e| self.replay_failed = Some(e.to_string()));
-            match reply? {
-                Reply::End => return Ok(()),
-                Reply::Cut => {
+            let reply = self.replay_once(ask, out);
+            // Where this answer stopped: past the last batch it brought, else where it was asked.
+            let stop = if out.len() > before { out[out.len() - 1].0 + 1 } else { ask };
+            match reply {
+                Err(e) => {
+                    self.replay_short.failed = Some((stop, e.to_string()));
+                    return Err(e);
+                }
+                Ok(Reply::End) => return Ok(()),
+                Ok(Reply::Cut) => {
                     // The batch after the last one received did not arrive.
-                    let cut_at = if out.len() > before { out[out.len() - 1].0 + 1 } else { ask };
+                    let cut_at = stop;
                     cuts += 1;
-                    self.replay_cut = true;
+                    self.replay_short.cuts.push(cut_at);
                     m::replay_cut(self.rank());
                     self.update(|s| s.replay_cuts += 1);
                     if let Some(held_back) = self.replay_warn.pass(Instant::now()) {
@@ -806,7 +828,9 @@ impl Rank {
                         );
                     }
                     if cuts == MAX_CUTS {
-                        return Err(ReplayError::Cut(cuts));
+                        let e = ReplayError::Cut(cuts);
+                        self.replay_short.failed = Some((cut_at + 1, e.to_string()));
+                        return Err(e);
                     }
                     ask = cut_at + 1;
                 }
@@ -891,6 +915,42 @@ mod tests {
         // After a quiet spell the next passes at once, with nothing held back.
         assert_eq!(t.pass(at(60_000)), Some(0));
         assert_eq!(t.pass(at(60_000)), None);
+    }
+
+    #[test]
+    fn each_hole_a_short_replay_left_is_said_to_be_lost_for_its_own_cause() {
+        const CUT: &str = "the connection dropped while the engine sent them (a message over max_message_bytes, \
+                           1024 bytes, drops it)";
+        let failed = "the replay ended before the engine sent them all (the replay socket did not answer within \
+                      replay_timeout_ms, 300)";
+        // Asked from 10; the answer began at 20 (the buffer had rolled past 10..19), batch 25 was
+        // cut, the answer asked past it brought 26..29 and then timed out.
+        let s = Shortfall {
+            cuts: vec![25],
+            failed: Some((30, ReplayError::Timeout(Duration::from_millis(300)).to_string())),
+        };
+        let why = |from, upto| s.why(from, upto, 1024);
+        assert_eq!(why(10, 20), None);
+        assert_eq!(why(25, 26).as_deref(), Some(CUT));
+        assert_eq!(why(24, 27).as_deref(), Some(CUT));
+        assert_eq!(why(26, 30), None);
+        assert_eq!(why(30, 31).as_deref(), Some(failed));
+        assert_eq!(why(29, 40).as_deref(), Some(failed));
+        // One hole holding the cut and reaching past the stop names both.
+        assert_eq!(why(25, 31), Some(format!("{CUT}; {failed}")));
+        assert_eq!(Shortfall::default().why(0, u64::MAX, 1024), None);
+        // Cut as often as it asks again: the batches past the last cut were not asked for.
+        let e = ReplayError::Cut(MAX_CUTS).to_string();
+        assert_eq!(e, "the replay connection dropped while sending a batch, 16 times");
+        let s = Shortfall { cuts: (40..40 + u64::from(MAX_CUTS)).collect(), failed: Some((56, e)) };
+        assert_eq!(s.why(55, 56, 1024).as_deref(), Some(CUT));
+        assert_eq!(
+            s.why(56, 60, 1024).as_deref(),
+            Some(
+                "the replay ended before the engine sent them all (the replay connection dropped while sending \
+                 a batch, 16 times)"
+            )
+        );
     }
 
     #[test]
