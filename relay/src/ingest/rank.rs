@@ -177,7 +177,7 @@ const MAX_CUTS: u32 = 16;
 /// How a replay fell short of the whole answer, and where, so that each hole it left is said to
 /// be lost for its own cause. A hole can also have none of them: the engine's buffer no longer
 /// held those batches (it rolled past them, or had never held them).
-#[derive(Debug, Default, Clone, PartialEq)]
+#[derive(Debug, Default)]
 struct Shortfall {
     /// The seqs whose batch dropped the connection (a message over `max_message_bytes`): each
     /// was asked past.
