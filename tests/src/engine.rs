@@ -431,7 +431,13 @@ impl MockEngine {
     /// `rank`'s next replay answer sends at most `n` batches and then nothing, not even the end
     /// marker, as an engine that stops answering: the asker's timeout ends it.
     pub fn stall_replay(&self, rank: u32, n: u64) -> Result<(), EngineError> {
-        Ok(self.rank(rank)?.handle.send(Cmd::StallReplay(n))?)
+        self.stall_replay_after(rank, 0, n)
+    }
+
+    /// [`MockEngine::stall_replay`] for the answer after the next `whole` ones, which are sent
+    /// whole (e.g. an answer cut short by the asker, then the one it asks for past the cut).
+    pub fn stall_replay_after(&self, rank: u32, whole: u64, n: u64) -> Result<(), EngineError> {
+        Ok(self.rank(rank)?.handle.send(Cmd::StallReplay(whole, n))?)
     }
 
     /// The next `n` batches of `rank` get a seq but go neither on the wire nor to the buffer

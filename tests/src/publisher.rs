@@ -143,10 +143,10 @@ pub(crate) enum Cmd {
     /// replay socket has answered a request: a subscriber asking the replay meanwhile gets them
     /// there first.
     WireAfterReplay(u64),
-    /// The next replay request is answered with at most N batches and no end marker, as by an
-    /// engine that stops answering: the asker's timeout ends it. Later requests are answered
-    /// whole.
-    StallReplay(u64),
+    /// `(whole, n)`: the next `whole` replay requests are answered whole, and the one after them
+    /// with at most `n` batches and no end marker, as by an engine that stops answering: the
+    /// asker's timeout ends it. Later requests are answered whole.
+    StallReplay(u64, u64),
     /// Forget buffered batches, keeping only the newest `keep`.
     TrimBuffer(usize),
     /// Hold publishing for this long: batches wait, then go out in order.
@@ -273,8 +273,9 @@ struct Worker {
     drop_wire: u64,
     lose: u64,
     wire_after_replay: u64,
-    /// `StallReplay`: how many batches the next replay answer sends before it stops.
-    stall_replay: Option<u64>,
+    /// `StallReplay`: how many replay answers are still sent whole, and how many batches the one
+    /// after them sends before it stops.
+    stall_replay: Option<(u64, u64)>,
     /// Batches buffered under `WireAfterReplay`, sent once a replay request has been answered.
     after_replay: Vec<[Vec<u8>; 3]>,
     hold_until: Option<Instant>,
@@ -432,7 +433,7 @@ impl Worker {
             Cmd::DropWire(n) => self.drop_wire += n,
             Cmd::Lose(n) => self.lose += n,
             Cmd::WireAfterReplay(n) => self.wire_after_replay += n,
-            Cmd::StallReplay(n) => self.stall_replay = Some(n),
+            Cmd::StallReplay(whole, n) => self.stall_replay = Some((whole, n)),
             Cmd::TrimBuffer(keep) => {
                 while self.buffer.len() > keep {
                     self.buffer.pop_front();
@@ -550,7 +551,17 @@ impl Worker {
             let start = u64::from_be_bytes(seq8);
             let id = &frames[0];
             let layout = self.cfg.replay_layout;
-            let stall = self.stall_replay.take();
+            let stall = match self.stall_replay {
+                Some((0, n)) => {
+                    self.stall_replay = None;
+                    Some(n)
+                }
+                Some((whole, n)) => {
+                    self.stall_replay = Some((whole - 1, n));
+                    None
+                }
+                None => None,
+            };
             let limit = stall.map_or(usize::MAX, |n| n as usize);
             for b in self.buffer.iter().filter(|b| b.seq >= start).take(limit) {
                 let seq = b.seq.to_be_bytes();

@@ -69,8 +69,14 @@ fn relay_cfg(e: &MockEngine) -> IngestConfig {
 
 impl Relay {
     fn start(cfg: IngestConfig, resume: BTreeMap<u32, Resume>) -> Relay {
+        Relay::start_with(cfg, resume, LiveBlocks::default())
+    }
+
+    /// [`Relay::start`] whose collector starts from `live` (what a restarted relay's store
+    /// holds), before the first batch is handed on.
+    fn start_with(cfg: IngestConfig, resume: BTreeMap<u32, Resume>, live: LiveBlocks) -> Relay {
         let (tx, mut rx) = tokio::sync::mpsc::channel(cfg.queue);
-        let seen = Arc::new(Mutex::new(Seen::default()));
+        let seen = Arc::new(Mutex::new(Seen { live, ..Seen::default() }));
         let s2 = seen.clone();
         let collector = std::thread::spawn(move || {
             while let Some(item) = rx.blocking_recv() {
@@ -398,6 +404,51 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
     );
 }
 
+/// A one-rank engine with a replay socket and a relay on it, warmed up, and where the rank
+/// stood just before a test's faults.
+struct Armed {
+    e: MockEngine,
+    relay: Relay,
+    src: RandomSource,
+    /// The engine's next seq: the first batch the faults reach.
+    next: u64,
+    before: kv_relay::ingest::RankStatus,
+    /// How many batches the relay had handed on.
+    seen_before: usize,
+}
+
+impl Armed {
+    fn start(seed: u64, tune: impl FnOnce(&mut IngestConfig)) -> Armed {
+        let e = engine(vllm(), 1, true, 10_000);
+        let mut cfg = relay_cfg(&e);
+        tune(&mut cfg);
+        let relay = Relay::start(cfg, BTreeMap::new());
+        let mut src = RandomSource::new(seed, 4, 6);
+        warm_up(&relay, &e, &mut src);
+        e.flush().unwrap();
+        let next = e.stats(0).unwrap().next_seq;
+        let before = relay.status(0);
+        let seen_before = relay.seen.lock().unwrap().order.len();
+        Armed { e, relay, src, next, before, seen_before }
+    }
+}
+
+/// The seqs the relay handed on after its first `seen_before` batches, in order.
+fn seqs_since(relay: &Relay, seen_before: usize) -> Vec<u64> {
+    relay.seen.lock().unwrap().order[seen_before..].iter().map(|o| o.1).collect()
+}
+
+/// The reasons of every control of `rank`, each of which must be a degraded event.
+fn degraded_reasons(relay: &Relay, rank: u32) -> Vec<String> {
+    controls_of(relay, rank)
+        .into_iter()
+        .map(|k| match k {
+            ControlKind::RankDegraded { reason } => reason,
+            other => panic!("not a degraded event: {other:?}"),
+        })
+        .collect()
+}
+
 /// Two batches only in the replay buffer, then one past `max_message_bytes` (64 KiB: it drops
 /// the SUB's connection, and the DEALER's when a replay reaches it), then three more: the
 /// refused batch is the one lost, the five around it are refilled or live, in order. With
@@ -405,17 +456,10 @@ fn without_a_replay_endpoint_gaps_are_counted_and_the_rank_degraded() {
 /// finds them (a second after the last live batch: everything is published well before); else
 /// more follow until the replaced SUB takes one live, and its gap finds them.
 fn a_refused_batch_is_lost_alone(by_probe: bool) {
-    let e = engine(vllm(), 1, true, 10_000);
-    let mut cfg = relay_cfg(&e);
-    cfg.max_message_bytes = 64 << 10;
-    cfg.tail_probe = Duration::from_secs(if by_probe { 1 } else { 600 });
-    let relay = Relay::start(cfg, BTreeMap::new());
-    let mut src = RandomSource::new(11, 4, 6);
-    warm_up(&relay, &e, &mut src);
-    e.flush().unwrap();
-    let next = e.stats(0).unwrap().next_seq;
-    let before = relay.status(0);
-    let seen_before = relay.seen.lock().unwrap().order.len();
+    let Armed { e, relay, mut src, next, before, seen_before } = Armed::start(11, |cfg| {
+        cfg.max_message_bytes = 64 << 10;
+        cfg.tail_probe = Duration::from_secs(if by_probe { 1 } else { 600 });
+    });
     e.drop_on_wire(0, 2).unwrap();
     traffic_until(&e, 0, &mut src, next + 2);
     let big = vec![EngineEvent::large_store(4_000)];
@@ -451,7 +495,7 @@ fn a_refused_batch_is_lost_alone(by_probe: bool) {
     assert_eq!(after.batches - before.batches, end - next - 1);
     assert_eq!(after.gaps - before.gaps, 1);
     assert_eq!(after.tail_probes > before.tail_probes, by_probe);
-    let order: Vec<u64> = relay.seen.lock().unwrap().order[seen_before..].iter().map(|o| o.1).collect();
+    let order = seqs_since(&relay, seen_before);
     let want: Vec<u64> = (next..end).filter(|&s| s != next + 2).collect();
     assert_eq!(order, want);
     let c = controls_of(&relay, 0);
@@ -484,17 +528,10 @@ fn a_batch_over_max_message_bytes_is_lost_alone_and_the_gap_refills_the_rest() {
 /// the relay asks: its answer starts past the gap, and those are lost beyond the buffer, in a
 /// hole of their own, not to the timeout.
 fn a_stalled_replay_keeps_what_came(forgotten: u64, seed: u64) {
-    let e = engine(vllm(), 1, true, 10_000);
-    let mut cfg = relay_cfg(&e);
-    cfg.replay_timeout = Duration::from_millis(300);
-    cfg.tail_probe = Duration::from_secs(600);
-    let relay = Relay::start(cfg, BTreeMap::new());
-    let mut src = RandomSource::new(seed, 4, 6);
-    warm_up(&relay, &e, &mut src);
-    e.flush().unwrap();
-    let next = e.stats(0).unwrap().next_seq;
-    let before = relay.status(0);
-    let seen_before = relay.seen.lock().unwrap().order.len();
+    let Armed { e, relay, mut src, next, before, seen_before } = Armed::start(seed, |cfg| {
+        cfg.replay_timeout = Duration::from_millis(300);
+        cfg.tail_probe = Duration::from_secs(600);
+    });
     e.drop_on_wire(0, 10).unwrap();
     traffic_until(&e, 0, &mut src, next + 10);
     e.trim_buffer(0, (10 - forgotten) as usize).unwrap();
@@ -523,15 +560,9 @@ fn a_stalled_replay_keeps_what_came(forgotten: u64, seed: u64) {
         (after.lost - before.lost, after.gaps - before.gaps, after.batches - before.batches, after.replay_cuts),
         (6, 1, 5, before.replay_cuts)
     );
-    let order: Vec<u64> = relay.seen.lock().unwrap().order[seen_before..].iter().map(|o| o.1).collect();
+    let order = seqs_since(&relay, seen_before);
     assert_eq!(order, (next + forgotten..stop).chain([next + 10]).collect::<Vec<_>>());
-    let reasons: Vec<String> = controls_of(&relay, 0)
-        .into_iter()
-        .map(|k| match k {
-            ControlKind::RankDegraded { reason } => reason,
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let reasons = degraded_reasons(&relay, 0);
     assert_eq!(reasons, want);
     // The next replay is answered whole; a clear makes the rank known again.
     e.clear(0).unwrap();
@@ -548,6 +579,63 @@ fn a_replay_that_stops_answering_keeps_what_came_and_loses_only_the_rest() {
 #[test]
 fn a_replay_that_starts_past_the_gap_and_stops_answering_says_why_each_hole_is_lost() {
     a_stalled_replay_keeps_what_came(3, 13);
+}
+
+/// One replay with both causes: of ten batches missed on the wire the third is over
+/// `max_message_bytes`, so the answer is cut there, and the answer asked for past it stops after
+/// three batches. The refused batch is lost to the cut and the last four to the timeout, each
+/// hole with its own reason; the five around them are refilled in order.
+#[test]
+fn a_replay_cut_and_then_stalled_names_each_cause_for_its_own_hole() {
+    let Armed { e, relay, mut src, next, before, seen_before } = Armed::start(14, |cfg| {
+        cfg.max_message_bytes = 64 << 10;
+        cfg.replay_timeout = Duration::from_millis(300);
+        cfg.tail_probe = Duration::from_secs(600);
+    });
+    e.drop_on_wire(0, 10).unwrap();
+    traffic_until(&e, 0, &mut src, next + 2);
+    e.publish(0, vec![EngineEvent::large_store(4_000)]).unwrap();
+    traffic_until(&e, 0, &mut src, next + 10);
+    e.stall_replay_after(0, 1, 3).unwrap();
+    traffic_until(&e, 0, &mut src, next + 11);
+    wait_for("the live batch", || {
+        relay.status(0).last_seq == Some(next + 10) && relay.seen.lock().unwrap().order.last() == Some(&(0, next + 10))
+    });
+    wait_health(&relay, 0, Health::Degraded, 2);
+    let after = relay.status(0);
+    assert_eq!(
+        (
+            after.lost - before.lost,
+            after.gaps - before.gaps,
+            after.batches - before.batches,
+            after.replay_cuts - before.replay_cuts,
+            after.disconnects - before.disconnects
+        ),
+        (5, 1, 6, 1, 0)
+    );
+    let order = seqs_since(&relay, seen_before);
+    assert_eq!(order, [next, next + 1, next + 3, next + 4, next + 5, next + 10]);
+    let reasons = degraded_reasons(&relay, 0);
+    assert_eq!(
+        reasons,
+        [
+            format!(
+                "1 batches (seq {0}..{0}) lost: the connection dropped while the engine sent them (a message over \
+                 max_message_bytes, 65536 bytes, drops it)",
+                next + 2
+            ),
+            format!(
+                "4 batches (seq {}..{}) lost: the replay ended before the engine sent them all (the replay socket did \
+                 not answer within replay_timeout_ms, 300)",
+                next + 6,
+                next + 9
+            ),
+        ]
+    );
+    e.clear(0).unwrap();
+    traffic(&e, 0, &mut src, 3);
+    wait_health(&relay, 0, Health::Ok, 3);
+    wait_equal(&relay, &e);
 }
 
 /// Runs a relay until it equals the truth after some traffic, stops it, and returns where it
@@ -569,8 +657,7 @@ fn a_restarted_relay_resumes_the_same_publisher_from_its_last_seq() {
     let mut src = RandomSource::new(9, 4, 6);
     let (resume, before) = run_relay_then_stop(&e, &mut src);
     traffic(&e, 0, &mut src, 7);
-    let relay = Relay::start(relay_cfg(&e), BTreeMap::from([(0, resume)]));
-    relay.seen.lock().unwrap().live = before;
+    let relay = Relay::start_with(relay_cfg(&e), BTreeMap::from([(0, resume)]), before);
     wait_equal(&relay, &e);
     let s = relay.seen.lock().unwrap();
     assert_eq!(s.order.first().map(|o| o.1), Some(resume.last_seq + 1));
@@ -584,8 +671,7 @@ fn a_restarted_relay_resets_a_rank_whose_publisher_changed_meanwhile() {
     let (resume, before) = run_relay_then_stop(&e, &mut src);
     e.restart(0).unwrap();
     traffic(&e, 0, &mut src, 12);
-    let relay = Relay::start(relay_cfg(&e), BTreeMap::from([(0, resume)]));
-    relay.seen.lock().unwrap().live = before;
+    let relay = Relay::start_with(relay_cfg(&e), BTreeMap::from([(0, resume)]), before);
     wait_equal(&relay, &e);
     assert!(matches!(&controls_of(&relay, 0)[..], [ControlKind::RankReset { .. }]));
 }
