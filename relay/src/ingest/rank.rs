@@ -625,12 +625,13 @@ impl Rank {
         let n = upto - from;
         m::lost(self.rank(), n);
         self.update(|s| s.lost += n);
+        let lost = format!("{n} batches (seq {from}..{}) lost", upto - 1);
         let reason = if self.cfg.replay_endpoint.is_none() {
-            format!("{n} batches (seq {from}..{}) lost: no replay endpoint", upto - 1)
+            format!("{lost}: no replay endpoint")
         } else {
             match self.replay_short.why(from, upto, self.cfg.max_message_bytes) {
-                Some(why) => format!("{n} batches (seq {from}..{}) lost: {why}", upto - 1),
-                None => format!("{n} batches (seq {from}..{}) lost beyond the engine's replay buffer", upto - 1),
+                Some(why) => format!("{lost}: {why}"),
+                None => format!("{lost} beyond the engine's replay buffer"),
             }
         };
         if self.last.is_none() && from == 0 {
