@@ -356,14 +356,7 @@ fn a_batch_a_tail_probe_reads_before_its_live_copy_is_no_gap() {
 
 #[test]
 fn a_tail_probe_refills_only_what_the_live_socket_does_not_deliver() {
-    let e = engine(vllm(), 1, true, 10_000);
-    let relay = Relay::start(relay_cfg(&e), BTreeMap::new());
-    let mut src = RandomSource::new(10, 4, 6);
-    warm_up(&relay, &e, &mut src);
-    e.flush().unwrap();
-    let next = e.stats(0).unwrap().next_seq;
-    let before = relay.status(0);
-    let seen_before = relay.seen.lock().unwrap().order.len();
+    let Armed { e, relay, mut src, next, before, seen_before } = Armed::start(10, |_| {});
     // Batch `next` reaches the wire right after the probe's replay; `next + 1` never does.
     e.wire_after_replay(0, 1).unwrap();
     e.drop_on_wire(0, 1).unwrap();
