@@ -117,8 +117,15 @@
 //! dead slot another key only after a grace period (no lookup that saw it live is left),
 //! writes a page entry before setting its valid bit and clears the bit only after its slot
 //! died or moved, and replaces a full table by building a new one and publishing the shards'
-//! table set through an [`arc_swap::ArcSwap`] (one load per lookup). A lookup therefore sees
-//! each slot and entry before or after any single write, never a torn one.
+//! table set through an [`arc_swap::ArcSwap`], for writers, and a pointer beside it, for
+//! lookups: a lookup reads the pointer with one plain load inside its grace section, and a
+//! set swapped out is freed only once a grace period after the swap has passed
+//! (`PrefixIndex::section_tables`). A lookup therefore sees each slot and entry before or
+//! after any single write, never a torn one. The grace periods see a lookup by a word of its
+//! thread's own, which it sets with one swap on entering and clears with a plain store on
+//! leaving (`grace.rs`). So a lookup has one locked instruction, where an `ArcSwap` load and
+//! counters shared by threads had four: lookup p50 10% and p99 6% lower beside the
+//! 8-worker Mooncake bench's writer (`docs/benchmarks.md`, fifteenth measurement).
 //!
 //! **Atomic snapshot replace.** Each worker has a one-bit generation tag; entries carry the tag
 //! they were written with, and a lookup only counts a worker's entries whose tag is the one it
@@ -168,6 +175,10 @@
 //!   right after its parent, so the resynced worker's runs are whole conversations. Without
 //!   parents it is written in the snapshot's order, and until the worker's next events its
 //!   lookups probe a block at a time (`docs/benchmarks.md`, Resync layout).
+//! - A rebuilt table's old set stays allocated until a grace period after its swap has
+//!   passed, and is freed by a later write that moves the periods on (a removal, a sweep,
+//!   the next rebuild): an index whose writes stop right after a rebuild keeps the old table
+//!   of that shard until its next writes. Writers never wait for lookups to free it.
 //! - Writes do more: a new slot also appends a page entry; a removal clears a bit and may
 //!   free or compact a page (moving up to 4 entries, or up to 16 when pages are less than
 //!   half full, a probe each). Freed pages are
@@ -196,7 +207,7 @@ mod table;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::hash::BuildHasherDefault;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicPtr, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, RwLock};
 
 use arc_swap::ArcSwap;
@@ -205,7 +216,7 @@ pub use ids::{IndexError, TierId, TierInterner, WorkerId, WorkerInterner};
 pub use result::{LookupResult, TierRun, WorkerMatch};
 pub use snapshot::StagedSnapshot;
 
-use grace::Grace;
+use grace::{Grace, ReadGuard};
 use prefetch::prefetch;
 use runs::{Cursor, Runs, WordHasher, PAGE};
 use table::{Added, Overflow, Probe, Subbed, Table};
@@ -278,7 +289,7 @@ type ShardLock = Padded<spin::mutex::SpinMutex<Arc<Table>, spin::relax::Yield>>;
 /// A value alone on its two cache lines (the adjacent-line prefetcher fetches lines in pairs):
 /// for words writers change often, kept away from the words every lookup reads. A write to a
 /// line a lookup reads costs that lookup a miss, and the first one of a lookup sits before
-/// its grace counter's read-modify-write, which waits for it.
+/// its grace section's swap, which waits for it.
 #[repr(align(128))]
 #[derive(Default)]
 struct Padded<T>(T);
@@ -327,6 +338,11 @@ const WORKER_STRIPES: usize = 64;
 /// The concurrent prefix index. See the [module docs](self) for semantics and design.
 pub struct PrefixIndex {
     tables: ArcSwap<Tables>,
+    /// The set `tables` holds, for read-side sections ([`PrefixIndex::section_tables`]).
+    section_tables: AtomicPtr<Tables>,
+    /// Sets swapped out of `tables`, each with the grace ticket taken after it: kept until
+    /// every read-side section that may have loaded its pointer has left.
+    retired_sets: Mutex<Vec<(u64, Arc<Tables>)>>,
     /// Serialises publishing a rebuilt table into `tables` (writers of different shards may
     /// rebuild at once).
     publish: Mutex<()>,
@@ -681,10 +697,12 @@ impl PrefixIndex {
     pub fn new(config: IndexConfig) -> Self {
         let n = config.shards.max(1).next_power_of_two();
         let per_shard = config.initial_capacity / n;
-        let tables: Tables = (0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect();
+        let tables: Arc<Tables> = Arc::new((0..n).map(|_| Arc::new(Table::for_entries(per_shard))).collect());
         Self {
             shard_locks: tables.iter().map(|t| Padded(spin::mutex::SpinMutex::new(t.clone()))).collect(),
-            tables: ArcSwap::from_pointee(tables),
+            section_tables: AtomicPtr::new(Arc::as_ptr(&tables).cast_mut()),
+            retired_sets: Mutex::default(),
+            tables: ArcSwap::new(tables),
             publish: Mutex::new(()),
             shard_mask: n - 1,
             gens: Generations { chunks: [const { OnceLock::new() }; 14] },
@@ -732,7 +750,41 @@ impl PrefixIndex {
         let _p = lock(&self.publish);
         let mut next: Vec<Arc<Table>> = self.tables.load().iter().cloned().collect();
         next[s] = table;
-        self.tables.store(Arc::new(next.into_boxed_slice()));
+        let next: Arc<Tables> = Arc::new(next.into_boxed_slice());
+        self.section_tables.store(Arc::as_ptr(&next).cast_mut(), Ordering::SeqCst);
+        let old = self.tables.swap(next);
+        // Read-side sections that may still use the old set entered before the store above:
+        // it is kept until they have left (a writer never waits for lookups).
+        let ticket = self.grace.ticket();
+        lock(&self.retired_sets).push((ticket, old));
+        self.free_retired_sets();
+    }
+
+    /// Drops the table sets whose grace ticket has passed (they are freed unless a writer's
+    /// guard still holds them). Called where the grace periods are moved on.
+    fn free_retired_sets(&self) {
+        if let Ok(mut sets) = self.retired_sets.try_lock() {
+            if !sets.is_empty() {
+                let ended = self.grace.periods_ended();
+                sets.retain(|&(ticket, _)| ended <= ticket);
+            }
+        }
+    }
+
+    /// The shards' table set, for as long as the read-side section `_in` lasts. Lookups read
+    /// it with one plain load, where an `ArcSwap` load costs two locked instructions.
+    fn section_tables<'a>(&'a self, _in: &'a ReadGuard<'a>) -> &'a Tables {
+        // SAFETY: the pointer is always that of the set `tables` holds, set before that set is
+        // swapped in (`new`, `publish`). A set swapped out is kept in `retired_sets` until the
+        // grace ticket taken after the newer pointer was stored has passed: every read-side
+        // section that entered before that store has left by then, and a section that entered
+        // after it loads the newer pointer (`SeqCst`, grace.rs). The caller's section `_in`
+        // outlives the reference, so the set stays allocated while it is used. Nothing writes
+        // through it.
+        #[allow(unsafe_code)]
+        unsafe {
+            &*self.section_tables.load(Ordering::SeqCst)
+        }
     }
 
     /// Asks for the first lines of several probes, so that their cache misses overlap.
@@ -772,6 +824,7 @@ impl PrefixIndex {
             for _ in 0..3 {
                 self.grace.advance();
             }
+            self.free_retired_sets();
             let ended = self.grace.periods_ended();
             if table.sweep(ended) >= table.sweep_enough() {
                 self.sweeps.fetch_add(1, Ordering::Relaxed);
@@ -806,6 +859,7 @@ impl PrefixIndex {
             }
         }
         self.grace.advance();
+        self.free_retired_sets();
     }
 
     /// Adds one copy of each hash to `(worker, tier)`.
@@ -875,6 +929,7 @@ impl PrefixIndex {
         // removal of this thread (each step reads every reader's counter line).
         if out.removed > 0 && REMOVALS.with(|n| n.replace(n.get().wrapping_add(1)) % 16 == 0) {
             self.grace.advance();
+            self.free_retired_sets();
         }
         out
     }
@@ -1005,10 +1060,10 @@ impl PrefixIndex {
         if hashes.is_empty() {
             return;
         }
-        let _reading = self.grace.read();
+        let reading = self.grace.read();
         // Read before any slot: decides which side of each concurrent replace this lookup is on.
         let seq0 = self.swap_seq.load(Ordering::SeqCst);
-        let tables = self.tables.load();
+        let tables = self.section_tables(&reading);
         SCRATCH.with(|s| {
             let s = &mut *s.borrow_mut();
             s.candidates.clear();
@@ -1025,7 +1080,7 @@ impl PrefixIndex {
             // block probes it), then the request's lines, so that the probe's misses do not
             // queue behind those of a long request.
             if n > 1 {
-                Self::prefetch(&tables, self.shard_mask, &[Probe::new(hashes[1])]);
+                Self::prefetch(tables, self.shard_mask, &[Probe::new(hashes[1])]);
             }
             Self::prefetch_request(hashes);
             let first = Probe::new(hashes[0]);
@@ -1048,7 +1103,7 @@ impl PrefixIndex {
                 // Every candidate ends at block 1 but those holding block 1 (probed now: it
                 // also gives the pairs' entries); only those are walked. `holders` is block 1's
                 // holders (none for a request of one block).
-                self.gather(&tables, &hashes[1..n.min(2)], holders, ends);
+                self.gather(tables, &hashes[1..n.min(2)], holders, ends);
                 out.clone_from(&m.result);
                 for &v in holders.iter() {
                     let worker = table::worker_of(v);
@@ -1065,7 +1120,7 @@ impl PrefixIndex {
                 candidates.dedup_by_key(|c| c.worker);
                 0..holders.len()
             } else {
-                self.gather(&tables, &hashes[..n.min(2)], holders, ends);
+                self.gather(tables, &hashes[..n.min(2)], holders, ends);
                 self.first_block(seq0, s);
                 // Kept only if no change of the key was under way or came while its holders
                 // were read: the version was even and is still the same.
@@ -1095,7 +1150,7 @@ impl PrefixIndex {
                     if i == n {
                         break;
                     }
-                    self.gather(&tables, &hashes[i..=i], &mut s.holders, &mut s.ends);
+                    self.gather(tables, &hashes[i..=i], &mut s.holders, &mut s.ends);
                     if !Self::step(i, 0..s.ends[0], s) {
                         Self::emit(n as u32, s, out);
                         return;
@@ -1107,7 +1162,7 @@ impl PrefixIndex {
                 // block while they are dropping out (block 1 after a popular block 0), as
                 // the next block may end them all.
                 let window = &hashes[i..n.min(i + if s.settled { WINDOW } else { 1 })];
-                self.gather(&tables, window, &mut s.holders, &mut s.ends);
+                self.gather(tables, window, &mut s.holders, &mut s.ends);
                 let mut from = 0;
                 for k in 0..window.len() {
                     let to = s.ends[k];

@@ -1,106 +1,179 @@
 //! Grace periods: a writer can wait until every lookup that started before a point in time has
 //! finished, while lookups never wait for anything.
 //!
-//! Readers count themselves in one of two counters chosen by the parity of a global epoch
-//! (striped over cache lines so reader threads do not share one counter). A writer advances
-//! the epoch and waits until the previous parity's counters drain, twice (so readers on
-//! either parity are covered). This is the two-counter scheme of user-space RCU; readers only
-//! do two atomic read-modify-writes per lookup.
+//! **Readers.** Each thread that reads has a word of its own (a *slot*, alone on its cache
+//! lines) in every index it reads. Entering a read-side section stores the global epoch into
+//! the slot with one `SeqCst` swap (a full barrier: the slot is visible before any word the
+//! section reads); leaving stores 0 with a plain `Release` store (every read of the section
+//! happens before it). So a lookup costs one locked instruction, where two counters shared by
+//! threads cost two read-modify-writes, and a lookup-thread-owned line is written by no one
+//! else. A slot holds `epoch << DEPTH_BITS | depth`: a section opened inside another one only
+//! counts itself, and the outer one's epoch keeps protecting both.
+//!
+//! **Writers.** A grace period flips the epoch (one read-modify-write: `E` becomes the current
+//! epoch) and has passed once every slot is 0 or holds an epoch of at least `E`. A reader that
+//! entered before the flip holds an older epoch until it leaves. One that loaded the old epoch
+//! but stored it only after the writer had read its slot as 0 does not hold the period, and
+//! need not: its swap comes after the writer's read in the single order of `SeqCst`
+//! operations, and so after the flip and every write before the flip; what it reads is the
+//! state those writes left. (Until it leaves, its older epoch only makes later periods wait a
+//! little longer.)
 //!
 //! Writers that must not wait (those reclaiming run pages and table slots) use *numbered*
-//! grace periods instead: something retired takes a [`Grace::ticket`] after the writes that
-//! retire it, and may be reused once [`Grace::periods_ended`] is greater than the ticket. The
-//! periods are moved on by [`Grace::advance`], which never waits: each call starts a period,
-//! or takes its next flip, or ends it, when the readers it waits for have drained. Ticket `t`
-//! is the number of periods started when it was taken; period `t + 1` starts after it (its
-//! counter increment reads the ticket's read-modify-write, so the retiring writes happen
-//! before its flips), so every reader that could still see the retired thing entered before
-//! that period's second flip, and has left when the period ends.
+//! grace periods: something retired takes a [`Grace::ticket`] after the writes that retire
+//! it, and may be reused once [`Grace::periods_ended`] is greater than the ticket. The periods
+//! are moved on by [`Grace::advance`], which never waits: each call starts a period (its
+//! flip), or ends the one under way if its readers have left. Ticket `t` is the number of
+//! periods started when it was taken; period `t + 1` starts after it (its counter increment
+//! reads the ticket's read-modify-write, so the retiring writes happen before its flip), so
+//! every reader that could still see the retired thing entered before that flip, and has left
+//! when the period ends.
+//!
+//! **Threads.** A thread takes the smallest free thread number the first time it reads any
+//! index, and gives it back when it exits (a thread-local's destructor), so the slots a writer
+//! reads stay as many as the threads that read at once. Slot `n` of an index is in chunk `k`
+//! (chunk `k` has `16 << k` slots), allocated the first time a thread with such a number reads
+//! it. A section opened where the thread's number is no longer available (in another
+//! thread-local's destructor, after ours ran) counts itself in a shared counter instead, and a
+//! period passes only while that counter is 0.
 
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, PoisonError, TryLockError};
+use std::marker::PhantomData;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock, PoisonError, TryLockError};
 use std::time::Duration;
 
 use super::Padded;
 
-const STRIPES: usize = 16;
-
-#[repr(align(128))]
-#[derive(Default)]
-struct Stripe {
-    active: [AtomicUsize; 2],
-}
+/// Low bits of a slot: how many sections of its thread are open.
+const DEPTH_BITS: u32 = 16;
+const DEPTH: u64 = (1 << DEPTH_BITS) - 1;
+/// Chunks of slots: `16 << k` in chunk `k`, over a million threads in all.
+const CHUNKS: usize = 16;
+const FIRST_CHUNK: usize = 16;
 
 pub(super) struct Grace {
-    /// Read by every lookup; written only by flips. Alone on its lines: writers take a ticket
-    /// (a read-modify-write of `started`) for every slot that dies.
-    epoch: Padded<AtomicUsize>,
-    stripes: Box<[Stripe]>,
+    /// Read by every lookup; written only by flips. Starts at 1 (a slot of 0 is idle).
+    epoch: Padded<AtomicU64>,
+    slots: [OnceLock<Box<[Padded<AtomicU64>]>>; CHUNKS],
+    /// Sections of threads without a number (module docs).
+    shared: Padded<AtomicU64>,
     writers: Padded<Writers>,
 }
 
 /// The writers' side of [`Grace`].
 #[derive(Default)]
 struct Writers {
-    /// Serialises the flips (the two-counter scheme allows one grace period at a time): a
-    /// `synchronize`'s two, and the steps of the numbered period under way, if any.
-    writer: Mutex<Option<Step>>,
+    /// Serialises the flips and the steps of the numbered period under way: the epoch it
+    /// waits for, if one is.
+    writer: Mutex<Option<u64>>,
     /// Numbered periods started, and the last one ended (see [`Grace::ticket`]).
     started: AtomicU64,
     ended: AtomicU64,
 }
 
-/// Where the numbered period under way is: the parity its last flip gave, and whether that
-/// flip was its second.
-#[derive(Clone, Copy)]
-struct Step {
-    parity: usize,
-    second: bool,
-}
-
-/// A lookup in progress; a writer's [`Grace::synchronize`] waits for it to drop.
+/// A read-side section in progress; a writer's [`Grace::synchronize`] waits for it to drop.
 pub(super) struct ReadGuard<'a> {
-    counter: &'a AtomicUsize,
+    word: &'a AtomicU64,
+    numbered: bool,
+    /// Not `Send`: a numbered guard's drop writes its thread's slot, which only that thread may.
+    _thread: PhantomData<*const ()>,
 }
 
 impl Drop for ReadGuard<'_> {
     fn drop(&mut self) {
-        self.counter.fetch_sub(1, Ordering::SeqCst);
+        if self.numbered {
+            // Only this thread writes its slot.
+            let v = self.word.load(Ordering::Relaxed);
+            self.word.store(if v & DEPTH == 1 { 0 } else { v - 1 }, Ordering::Release);
+        } else {
+            self.word.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
-fn stripe_of_thread() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static STRIPE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % STRIPES;
+/// Thread numbers: the smallest free one is taken, and given back when its thread exits.
+static NUMBERS: Mutex<Numbers> = Mutex::new(Numbers { next: 0, free: Vec::new() });
+
+struct Numbers {
+    next: usize,
+    free: Vec<usize>,
+}
+
+/// This thread's number, held for the thread's life.
+struct ThreadNumber(usize);
+
+impl Numbers {
+    /// The smallest free number, so that numbers (and the slots writers read) stay few.
+    fn take(&mut self) -> usize {
+        match self.free.iter().enumerate().min_by_key(|&(_, &k)| k) {
+            Some((i, _)) => self.free.swap_remove(i),
+            None => {
+                self.next += 1;
+                self.next - 1
+            }
+        }
     }
-    STRIPE.with(|s| *s)
+
+    fn give(&mut self, n: usize) {
+        self.free.push(n);
+    }
+}
+
+fn numbers() -> std::sync::MutexGuard<'static, Numbers> {
+    NUMBERS.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+impl Drop for ThreadNumber {
+    fn drop(&mut self) {
+        // Every section of this thread has ended: its slots are 0 in every index.
+        numbers().give(self.0);
+    }
+}
+
+thread_local! {
+    static NUMBER: ThreadNumber = ThreadNumber(numbers().take());
+}
+
+/// The chunk and the index in it of slot `n`.
+fn place(n: usize) -> (usize, usize) {
+    let k = (usize::BITS - 1 - (n / FIRST_CHUNK + 1).leading_zeros()) as usize;
+    (k, n - FIRST_CHUNK * ((1 << k) - 1))
 }
 
 impl Default for Grace {
     fn default() -> Self {
         Self {
-            epoch: Padded::default(),
-            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            epoch: Padded(AtomicU64::new(1)),
+            slots: [const { OnceLock::new() }; CHUNKS],
+            shared: Padded::default(),
             writers: Padded::default(),
         }
     }
 }
 
 impl Grace {
-    /// Enters a read-side critical section. Never blocks: it retries only if the epoch moved
-    /// between its two loads (once per writer's `synchronize`, at most).
+    /// Enters a read-side section. Never blocks.
     pub fn read(&self) -> ReadGuard<'_> {
-        let stripe = &self.stripes[stripe_of_thread()];
-        loop {
-            let e = self.epoch.load(Ordering::SeqCst);
-            let counter = &stripe.active[e & 1];
-            counter.fetch_add(1, Ordering::SeqCst);
-            if self.epoch.load(Ordering::SeqCst) == e {
-                return ReadGuard { counter };
-            }
-            counter.fetch_sub(1, Ordering::SeqCst);
+        let Some(word) = NUMBER.try_with(|n| self.slot(n.0)).ok().flatten() else {
+            self.shared.fetch_add(1, Ordering::SeqCst);
+            return ReadGuard { word: &self.shared, numbered: false, _thread: PhantomData };
+        };
+        let v = word.load(Ordering::Relaxed);
+        if v != 0 {
+            // Inside a section of this thread: its epoch already covers this one.
+            assert!(v & DEPTH != DEPTH, "grace: too many nested read-side sections");
+            word.store(v + 1, Ordering::Relaxed);
+        } else {
+            word.swap(self.epoch.load(Ordering::SeqCst) << DEPTH_BITS | 1, Ordering::SeqCst);
         }
+        ReadGuard { word, numbered: true, _thread: PhantomData }
+    }
+
+    /// Slot `n`, its chunk allocated on first use; `None` past the last chunk.
+    fn slot(&self, n: usize) -> Option<&AtomicU64> {
+        let (k, i) = place(n);
+        let chunk = self.slots.get(k)?.get_or_init(|| (0..FIRST_CHUNK << k).map(|_| Padded::default()).collect());
+        Some(&chunk[i].0)
     }
 
     /// A ticket for something retired by this thread's writes before this call: it may be
@@ -117,8 +190,8 @@ impl Grace {
     }
 
     /// Moves the numbered periods on without waiting (module docs): starts one if none is
-    /// under way, takes the next flip or ends it if the readers it waits for have drained.
-    /// Does nothing while another writer holds the flips (a [`Grace::synchronize`]).
+    /// under way, else ends it if the readers it waits for have left. Does nothing while
+    /// another writer holds the flips (a [`Grace::synchronize`]).
     pub fn advance(&self) {
         let mut step = match self.writers.writer.try_lock() {
             Ok(step) => step,
@@ -128,12 +201,9 @@ impl Grace {
         *step = match *step {
             None => {
                 self.writers.started.fetch_add(1, Ordering::SeqCst);
-                Some(Step { parity: self.epoch.fetch_add(1, Ordering::SeqCst) & 1, second: false })
+                Some(self.flip())
             }
-            Some(Step { parity, second: false }) if self.ended(parity) => {
-                Some(Step { parity: self.epoch.fetch_add(1, Ordering::SeqCst) & 1, second: true })
-            }
-            Some(Step { parity, second: true }) if self.ended(parity) => {
+            Some(e) if self.passed(e) => {
                 self.writers.ended.store(self.writers.started.load(Ordering::SeqCst), Ordering::SeqCst);
                 None
             }
@@ -141,33 +211,37 @@ impl Grace {
         };
     }
 
-    /// True when no read-side section counted on `parity` is open (sections that entered
-    /// later on the same parity only delay the answer). After a flip and this, the readers
-    /// that entered on that parity before the flip are done; after two, every reader. (A
-    /// `synchronize` between a period's flips flips twice, so the period's second flip still
-    /// gives the other parity.)
-    fn ended(&self, parity: usize) -> bool {
-        self.stripes.iter().all(|s| s.active[parity].load(Ordering::SeqCst) == 0)
+    /// Starts a period: the epoch it waits for.
+    fn flip(&self) -> u64 {
+        self.epoch.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// True when every section open now entered at epoch `e` or later (sections that enter
+    /// later only delay the answer).
+    fn passed(&self, e: u64) -> bool {
+        self.shared.load(Ordering::SeqCst) == 0
+            && self.slots.iter().filter_map(OnceLock::get).flat_map(|c| c.iter()).all(|w| {
+                let v = w.load(Ordering::SeqCst);
+                v == 0 || v >> DEPTH_BITS >= e
+            })
     }
 
     /// Waits until every read-side section entered before this call has ended. Concurrent
-    /// callers take turns.
+    /// callers take turns. Not to be called inside a read-side section of this thread.
     pub fn synchronize(&self) {
         let _one = self.writers.writer.lock().unwrap_or_else(PoisonError::into_inner);
-        // Two flips: readers that entered before this call are on either parity (a numbered
-        // period may have flipped without waiting), and each flip drains one.
-        for _ in 0..2 {
-            let old = self.epoch.fetch_add(1, Ordering::SeqCst) & 1;
-            let mut spins = 0u32;
-            while !self.ended(old) {
-                spins += 1;
-                if spins < 64 {
-                    std::hint::spin_loop();
-                } else if spins < 256 {
-                    std::thread::yield_now();
-                } else {
-                    std::thread::sleep(Duration::from_micros(20));
-                }
+        // A numbered period under way waits for an epoch no later than this one: it passes
+        // at its next step, if not before.
+        let e = self.flip();
+        let mut spins = 0u32;
+        while !self.passed(e) {
+            spins += 1;
+            if spins < 64 {
+                std::hint::spin_loop();
+            } else if spins < 256 {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(20));
             }
         }
     }
@@ -176,19 +250,20 @@ impl Grace {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::AtomicBool;
+    use std::sync::{mpsc, Arc};
 
     #[test]
     fn a_ticket_passes_only_once_every_reader_present_when_it_was_taken_has_left() {
         let g = Grace::default();
-        // No reader: three steps (flip, flip, end) end the first period.
+        // No reader: two steps (the flip, the end) end the first period.
         let t = g.ticket();
         assert_eq!(t, 0);
-        g.advance();
         g.advance();
         assert_eq!(g.periods_ended(), 0);
         g.advance();
         assert_eq!(g.periods_ended(), 1);
-        // A reader inside when the ticket is taken holds the next period at its first flip.
+        // A reader inside when the ticket is taken holds the next period at its flip.
         let reader = g.read();
         let t = g.ticket();
         assert_eq!(t, 1);
@@ -196,24 +271,131 @@ mod tests {
             g.advance();
         }
         assert_eq!(g.periods_ended(), 1);
-        // Once it leaves, two steps end the period.
+        // Once it leaves, the next step ends the period.
         drop(reader);
         g.advance();
-        assert_eq!(g.periods_ended(), 1);
-        g.advance();
         assert_eq!(g.periods_ended(), 2);
-        // A synchronize between a period's flips (two flips of its own) leaves the period's
-        // second flip on the other parity: a reader that entered after the synchronize holds
-        // the period until it leaves.
+        // A reader that entered after a period's flip does not hold it.
+        g.advance();
+        let late = g.read();
+        g.advance();
+        assert_eq!(g.periods_ended(), 3);
+        // It holds the next one, started while it is inside.
+        g.advance();
+        g.advance();
+        assert_eq!(g.periods_ended(), 3);
+        drop(late);
+        g.advance();
+        assert_eq!(g.periods_ended(), 4);
+        // A synchronize between a period's flip and its end leaves it to end at its next step.
         g.advance();
         g.synchronize();
-        let late = g.read();
+        assert_eq!(g.periods_ended(), 4);
+        g.advance();
+        assert_eq!(g.periods_ended(), 5);
+    }
+
+    #[test]
+    fn a_nested_section_is_covered_by_the_outer_one_and_leaves_it_open() {
+        let g = Grace::default();
+        let outer = g.read();
+        g.advance();
+        let inner = g.read();
+        drop(inner);
+        // The outer section, entered before the flip, still holds the period.
         for _ in 0..10 {
             g.advance();
         }
-        assert_eq!(g.periods_ended(), 2);
-        drop(late);
+        assert_eq!(g.periods_ended(), 0);
+        // Nested the other way round: the inner guard outlives nothing, the slot is 0 after.
+        let again = g.read();
+        drop(outer);
         g.advance();
-        assert_eq!(g.periods_ended(), 3);
+        assert_eq!(g.periods_ended(), 0, "the second guard still covers the thread");
+        drop(again);
+        g.advance();
+        assert_eq!(g.periods_ended(), 1);
+    }
+
+    #[test]
+    fn sections_without_a_thread_number_hold_every_period_while_open() {
+        let g = Grace::default();
+        // What `read` does when this thread's number is gone (a thread-local destructor).
+        g.shared.fetch_add(1, Ordering::SeqCst);
+        for _ in 0..10 {
+            g.advance();
+        }
+        assert_eq!(g.periods_ended(), 0);
+        drop(ReadGuard { word: &g.shared, numbered: false, _thread: PhantomData });
+        g.advance();
+        assert_eq!(g.periods_ended(), 1);
+    }
+
+    #[test]
+    fn synchronize_waits_for_a_reader_of_another_thread() {
+        let g = Arc::new(Grace::default());
+        let (entered_tx, entered) = mpsc::channel();
+        let (leave_tx, leave) = mpsc::channel::<()>();
+        let reader = {
+            let g = g.clone();
+            std::thread::spawn(move || {
+                let guard = g.read();
+                entered_tx.send(()).unwrap();
+                leave.recv().unwrap();
+                drop(guard);
+            })
+        };
+        entered.recv().unwrap();
+        let done = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (g, done) = (g.clone(), done.clone());
+            std::thread::spawn(move || {
+                g.synchronize();
+                done.store(true, Ordering::SeqCst);
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        assert!(!done.load(Ordering::SeqCst), "synchronize returned while a reader that entered before it was inside");
+        leave_tx.send(()).unwrap();
+        reader.join().unwrap();
+        waiter.join().unwrap();
+        assert!(done.load(Ordering::SeqCst));
+    }
+
+    #[test]
+    fn thread_numbers_are_the_smallest_free_and_slots_fill_their_chunks() {
+        let mut n = Numbers { next: 0, free: Vec::new() };
+        assert_eq!((n.take(), n.take(), n.take(), n.take()), (0, 1, 2, 3));
+        n.give(2);
+        n.give(0);
+        assert_eq!((n.take(), n.take(), n.take()), (0, 2, 4));
+        // Chunk k holds 16 << k slots, one after the other.
+        assert_eq!(
+            [place(0), place(15), place(16), place(47), place(48), place(111), place(112)],
+            [(0, 0), (0, 15), (1, 0), (1, 31), (2, 0), (2, 63), (3, 0)]
+        );
+        let g = Grace::default();
+        assert!(std::ptr::eq(g.slot(47).unwrap(), g.slot(47).unwrap()));
+        assert_eq!(g.slots.iter().filter(|c| c.get().is_some()).count(), 1);
+        assert_eq!(g.slots[1].get().map(|c| c.len()), Some(32));
+        // Past the last chunk there is no slot (such a thread counts in the shared counter).
+        let last = FIRST_CHUNK * ((1 << CHUNKS) - 1);
+        assert!(g.slot(last - 1).is_some());
+        assert!(g.slot(last).is_none());
+    }
+
+    #[test]
+    fn a_thread_that_exits_gives_its_number_back() {
+        // 400 readers one after the other. Without reuse they would take 400 new numbers;
+        // with it, no more than the readers alive at once in this process (other tests' threads
+        // take and give numbers meanwhile: a few dozen at most).
+        let g = Arc::new(Grace::default());
+        let before = numbers().next;
+        for _ in 0..400 {
+            let g = g.clone();
+            std::thread::spawn(move || drop(g.read())).join().unwrap();
+        }
+        let grew = numbers().next - before;
+        assert!(grew < 200, "400 threads one after the other took {grew} new numbers");
     }
 }

@@ -19,7 +19,8 @@
 //! operations per second with write hints than with read hints (`docs/benchmarks.md`, Tenth
 //! measurement).
 //!
-//! These are the crate's `unsafe` blocks. `_mm_prefetch` reads nothing the program can see
+//! These are two of the crate's three `unsafe` blocks (the third is the lookups' read of the
+//! table set, `PrefixIndex::section_tables`). `_mm_prefetch` reads nothing the program can see
 //! and never faults, whatever the address; it is `unsafe` only because it is declared with
 //! `#[target_feature(enable = "sse")]`, which every x86_64 CPU has (it is in the x86_64
 //! baseline that std is built for). Rust has no stable write hint (`_MM_HINT_ET0` compiles to a

@@ -311,12 +311,11 @@ fn a_link_into_a_page_now_anothers_with_the_same_hash_there_does_not_count() {
     p.remove(a, TierId::DEVICE, &more[..63]);
     assert_eq!(p.index.stats().run_pages, (2, 1));
     assert_eq!(device(&p, 1, &[parent, x]), (1, 1));
-    // Four other holders take fresh pages while the freed one's grace ticket passes: each
+    // Two other holders take fresh pages while the freed one's grace ticket passes: each
     // allocation moves the numbered periods one step (and so did this thread's first removal,
     // which started one), and the period under way when the page was freed does not count
-    // (two steps to end it, then three for the next: start, second flip, end, the last at b's
-    // allocation).
-    for k in 0..4 {
+    // (one step to end it, then two for the next: its flip, and its end at b's allocation).
+    for k in 0..2 {
         p.store(w(10 + k), TierId::DEVICE, &fill(10 + k as u64, 1));
     }
     let (used, free) = p.index.stats().run_pages;
