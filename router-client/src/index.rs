@@ -760,8 +760,17 @@ impl PrefixIndex {
         self.free_retired_sets();
     }
 
+    /// Takes `steps` steps of the numbered grace periods ([`Grace::advance`]), then frees
+    /// the table sets they let go.
+    fn move_periods_on(&self, steps: usize) {
+        for _ in 0..steps {
+            self.grace.advance();
+        }
+        self.free_retired_sets();
+    }
+
     /// Drops the table sets whose grace ticket has passed (they are freed unless a writer's
-    /// guard still holds them). Called where the grace periods are moved on.
+    /// guard still holds them).
     fn free_retired_sets(&self) {
         if let Ok(mut sets) = self.retired_sets.try_lock() {
             if !sets.is_empty() {
@@ -821,10 +830,7 @@ impl PrefixIndex {
         // flip and an end; none of it waits): a rebuild costs far more, and with little room
         // for dead slots (a small table, many removals) their tickets would not pass in time.
         if added == Added::Full && table.sweep_first() {
-            for _ in 0..3 {
-                self.grace.advance();
-            }
-            self.free_retired_sets();
+            self.move_periods_on(3);
             let ended = self.grace.periods_ended();
             if table.sweep(ended) >= table.sweep_enough() {
                 self.sweeps.fetch_add(1, Ordering::Relaxed);
@@ -858,8 +864,7 @@ impl PrefixIndex {
                 self.publish(s, &mut table, smaller);
             }
         }
-        self.grace.advance();
-        self.free_retired_sets();
+        self.move_periods_on(1);
     }
 
     /// Adds one copy of each hash to `(worker, tier)`.
@@ -926,10 +931,9 @@ impl PrefixIndex {
             self.missing_removes.fetch_add(out.missing as u64, Ordering::Relaxed);
         }
         // Dead slots are reused once a grace period passes: move the periods on, every 16th
-        // removal of this thread (each step reads every reader's counter line).
+        // removal of this thread (each step reads every reader's slot line).
         if out.removed > 0 && REMOVALS.with(|n| n.replace(n.get().wrapping_add(1)) % 16 == 0) {
-            self.grace.advance();
-            self.free_retired_sets();
+            self.move_periods_on(1);
         }
         out
     }

@@ -152,7 +152,9 @@ impl Default for Grace {
 }
 
 impl Grace {
-    /// Enters a read-side section. Never blocks.
+    /// Enters a read-side section. Never waits for a writer: only a thread's first section
+    /// takes a lock (to take its thread number), and the first one numbered into a chunk not
+    /// yet allocated allocates it.
     pub fn read(&self) -> ReadGuard<'_> {
         let Some(word) = NUMBER.try_with(|n| self.slot(n.0)).ok().flatten() else {
             self.shared.fetch_add(1, Ordering::SeqCst);
