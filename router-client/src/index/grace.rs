@@ -309,7 +309,8 @@ mod tests {
             g.advance();
         }
         assert_eq!(g.periods_ended(), 0);
-        // Nested the other way round: the inner guard outlives nothing, the slot is 0 after.
+        // Dropped in the other order: the outer guard first. The second one keeps the section
+        // open (and the outer epoch in the slot) until it drops too.
         let again = g.read();
         drop(outer);
         g.advance();
