@@ -50,7 +50,10 @@
 //! period has passed since it died (`table.rs`). When a table reaches 7/8 (live slots plus
 //! dead ones) it first frees the dead slots it can in place (a sweep of its control words,
 //! after moving the grace periods on), and is rebuilt to ~72% load only when that frees too
-//! few or its live slots alone are past 3/4.
+//! few. When its live slots alone are past 3/4 it grows by half (to ~48% load): a table
+//! rebuilt to 72% grew by 4-16% a rebuild, and the rebuilds of a growing index cost its
+//! writer a quarter of its block operations beside a lookup thread (`docs/benchmarks.md`,
+//! sixteenth measurement).
 //!
 //! **Runs: lookups walk contiguous memory.** A probe per block is a random cache miss or two,
 //! and a long request (100-250 blocks) paid one per block where a compressed radix tree
@@ -840,7 +843,9 @@ impl PrefixIndex {
         let (saturated, entry) = match added {
             Added::Done { saturated, entry } => (saturated, entry),
             Added::Full => {
-                let bigger = table.rebuilt(1);
+                // Live slots past 3/4: the table grows by half; else a sweep freed too few
+                // of its dead slots, and it is rebuilt without them for its live slots.
+                let bigger = if table.sweep_first() { table.rebuilt(1) } else { table.grown() };
                 let Added::Done { saturated, entry } = bigger.add(p, holder, copies, &mut entry, &self.overflow, ended)
                 else {
                     unreachable!("a table rebuilt with room for one more entry is not full");
