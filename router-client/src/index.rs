@@ -178,6 +178,11 @@
 //!   right after its parent, so the resynced worker's runs are whole conversations. Without
 //!   parents it is written in the snapshot's order, and until the worker's next events its
 //!   lookups probe a block at a time (`docs/benchmarks.md`, Resync layout).
+//! - A table grows by half, so right after growing it is about 48% full, and its slots
+//!   (16 bytes and a control byte each) cost about 36 bytes per live block there, against 24
+//!   at 72% and 20 at 7/8: memory per block moves between these as an index grows. Growing
+//!   to 72% for one more slot kept it lower (29.7 against 31.6 bytes per block in all, at a
+//!   million blocks) and made a growing index rebuild each shard every 4-16% of growth.
 //! - A rebuilt table's old set stays allocated until a grace period after its swap has
 //!   passed, and is freed by a later write that moves the periods on (a removal, a sweep,
 //!   the next rebuild): an index whose writes stop right after a rebuild keeps the old table
