@@ -253,6 +253,27 @@ fn memory_per_block_is_compact_for_a_million_blocks() {
 }
 
 #[test]
+fn a_growing_index_grows_each_table_by_half_or_more_at_each_rebuild() {
+    // A million stores into an empty index, no removals: every rebuild is a table growing.
+    // Each grows by at least half (`Table::grown`), so a shard that went from 14 slots to
+    // `slots / shards` took at most log1.5 of that ratio rebuilds, plus one. Tables rebuilt
+    // for one more slot at 72% grew by 4-16% a rebuild and took 624 here.
+    let shards = 16;
+    let index = kv_router_client::index::PrefixIndex::new(IndexConfig { shards, initial_capacity: 0 });
+    let s = seq(9, 1_000_000);
+    for chunk in s.chunks(64) {
+        index.store(w(1), TierId::DEVICE, chunk);
+    }
+    let stats = index.stats();
+    assert_eq!((stats.blocks, stats.sweeps, stats.tombstones), (1_000_000, 0, 0));
+    let per_shard = (stats.slots as f64 / shards as f64 / 14.0).ln() / 1.5f64.ln() + 1.0;
+    let most = (shards as f64 * per_shard) as u64;
+    assert!(stats.rebuilds <= most, "{} rebuilds, at most {most} for {} slots", stats.rebuilds, stats.slots);
+    assert!(stats.rebuilds >= shards as u64, "{} rebuilds: every shard grew", stats.rebuilds);
+    assert_eq!(index.lookup(&s[..300]).get(w(1)).map(|m| m.blocks), Some(300));
+}
+
+#[test]
 fn steady_churn_frees_dead_slots_in_place_and_stays_exact() {
     // One shard at a steady live set: requests of 8 blocks stored and, 64 requests later,
     // removed, by 4 workers. The table fills with dead slots; those whose grace has passed,
