@@ -238,13 +238,20 @@ fn copies_saturate_instead_of_wrapping() {
     assert_eq!(p.lookup(&[42]).blocks(w(0)), 1);
 }
 
-#[test]
-fn memory_per_block_is_compact_for_a_million_blocks() {
-    let index = kv_router_client::index::PrefixIndex::default();
+/// A million chained blocks stored by one worker into an empty index of `shards` shards, 64 a
+/// call, and the blocks.
+fn a_million_blocks_stored(shards: usize) -> (kv_router_client::index::PrefixIndex, Vec<u64>) {
+    let index = kv_router_client::index::PrefixIndex::new(IndexConfig { shards, initial_capacity: 0 });
     let s = seq(9, 1_000_000);
     for chunk in s.chunks(64) {
         index.store(w(1), TierId::DEVICE, chunk);
     }
+    (index, s)
+}
+
+#[test]
+fn memory_per_block_is_compact_for_a_million_blocks() {
+    let (index, _) = a_million_blocks_stored(IndexConfig::default().shards);
     let stats = index.stats();
     assert_eq!(stats.blocks, 1_000_000);
     let per_block = index.memory_bytes() as f64 / 1e6;
@@ -259,11 +266,7 @@ fn a_growing_index_grows_each_table_by_half_or_more_at_each_rebuild() {
     // `slots / shards` took at most log1.5 of that ratio rebuilds, plus one. Tables rebuilt
     // for one more slot at 72% grew by 4-16% a rebuild and took 624 here.
     let shards = 16;
-    let index = kv_router_client::index::PrefixIndex::new(IndexConfig { shards, initial_capacity: 0 });
-    let s = seq(9, 1_000_000);
-    for chunk in s.chunks(64) {
-        index.store(w(1), TierId::DEVICE, chunk);
-    }
+    let (index, s) = a_million_blocks_stored(shards);
     let stats = index.stats();
     assert_eq!((stats.blocks, stats.sweeps, stats.tombstones), (1_000_000, 0, 0));
     let per_shard = (stats.slots as f64 / shards as f64 / 14.0).ln() / 1.5f64.ln() + 1.0;
