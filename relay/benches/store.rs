@@ -1,7 +1,9 @@
-//! The durable store's cost: commits per second with the history and the snapshot, against a
-//! peer that writes only the history record (the same sled, the same records, in this run) and
-//! one that writes as many sled keys as a commit does with nothing read (sled's floor); bytes
-//! on disk per live block; RSS at a million live blocks; the snapshot's pause; reopen time.
+//! The durable store's cost: commits per second (the log write, the live set in memory, the
+//! checkpoints beside them) against a peer that writes only the history records (the same sled,
+//! the same records, one sled write per commit, in this run); bytes on disk per live block; RSS
+//! at a million live blocks; the pause a snapshot costs commits, and the longest commit while a
+//! snapshot of every block is read; a checkpoint's time; reopen (recovery) time with the log a
+//! crash can leave after the newest checkpoint.
 //!
 //! `cargo bench -p kv-relay --bench store` (full: 1,000,000 live blocks, about a minute);
 //! `KV_RELAY_BENCH_QUICK=1 cargo bench -p kv-relay --bench store` (CI: seconds).
@@ -129,29 +131,6 @@ fn history_only(dir: &Path, batches: u64) -> Duration {
     sled_peer(dir, batches, "history", b"", |_, _| {})
 }
 
-/// The second peer: per fill batch, as many sled keys as the store's commit writes, of about
-/// their sizes (the history record; 32 live keys of 27 bytes with 89-byte values, as a block
-/// of 16 token ids with a parent encodes; the group totals, namespace count, rank row and
-/// counters as four small keys), with nothing read and nothing encoded but the record: the
-/// floor of a commit that writes one sled key per block.
-fn sled_keys_only(dir: &Path, batches: u64) -> Duration {
-    let value = vec![7u8; 89];
-    sled_peer(dir, batches, "data", b"h", |i, b| {
-        for j in 0..BLOCKS_PER_BATCH {
-            let mut k = vec![b'l'];
-            k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
-            k.extend_from_slice(&[0; 14]);
-            k.extend_from_slice(&mix(i * BLOCKS_PER_BATCH + j).to_be_bytes());
-            b.insert(k, value.clone());
-        }
-        for p in [b's', b'n', b'r', b'c'] {
-            let mut k = vec![p];
-            k.extend_from_slice(&((i % RANKS) as u32).to_be_bytes());
-            b.insert(k, (i + 1).to_be_bytes().to_vec());
-        }
-    })
-}
-
 fn main() {
     let quick = std::env::var_os("KV_RELAY_BENCH_QUICK").is_some();
     let live_target: u64 = if quick { 20_000 } else { 1_000_000 };
@@ -164,9 +143,6 @@ fn main() {
     let peer = history_only(&root.path().join("peer"), fill);
     let peer_bps = per_sec(fill, peer);
     std::fs::remove_dir_all(root.path().join("peer")).unwrap();
-    let keys_peer = sled_keys_only(&root.path().join("peer2"), fill);
-    let keys_bps = per_sec(fill, keys_peer);
-    std::fs::remove_dir_all(root.path().join("peer2")).unwrap();
 
     let dir = root.path().join("store");
     let store = Store::open(StoreConfig::new(&dir)).unwrap();
@@ -200,31 +176,60 @@ fn main() {
     let many_time = start.elapsed();
     let many_bps = per_sec(groups * 10, many_time);
 
-    let live = store.live_stats();
-    let disk = du(&dir);
     let (rss, hwm) = rss_kib();
+    let heap = store.live_heap_bytes();
 
-    // Snapshot: the pause commits see, and reading it all.
+    // Snapshot: the pause commits see, and reading it all while a second thread commits (the
+    // longest of those commits is what a subscriber's resync costs ingest).
     let snap_tokens = store.snapshot(SnapshotFilter::all()).unwrap();
     let pause_tokens = snap_tokens.pause;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let committer = {
+        let (store, stop) = (store.clone(), stop.clone());
+        let base = fill + churn + groups * 10;
+        std::thread::spawn(move || {
+            let (mut longest, mut n) = (Duration::ZERO, 0u64);
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let t = Instant::now();
+                store.commit(churn_batch(base + n, base - fill + n)).unwrap();
+                longest = longest.max(t.elapsed());
+                n += 1;
+            }
+            (longest, n)
+        })
+    };
     let start = Instant::now();
     let mut read = 0usize;
     for chunk in snap_tokens {
         read += chunk.unwrap().len();
     }
     let stream_tokens = start.elapsed();
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (longest_commit, during) = committer.join().unwrap();
     assert_eq!(read as u64, live.blocks);
     let snap_bare = store.snapshot(SnapshotFilter { include_token_ids: false, ..SnapshotFilter::all() }).unwrap();
     let pause_bare = snap_bare.pause;
     drop(snap_bare);
     let (rss_after_snap, _) = rss_kib();
+    let start = Instant::now();
+    let ckpt = store.checkpoint_now().unwrap();
+    let ckpt_time = start.elapsed();
+    // The worst log a crash leaves: a checkpoint's worth of records after the newest checkpoint.
+    let after = CheckpointPolicy::default().every_records.min(if quick { 500 } else { 5_000 });
+    let base = fill + churn + groups * 10 + during;
+    for k in 0..after {
+        store.commit(churn_batch(base + k, base - fill + k)).unwrap();
+    }
+    let live = store.live_stats();
+    let disk = du(&dir);
 
     let hist = store.history_stats();
     drop(store);
     let start = Instant::now();
     let store = Store::open(StoreConfig::new(&dir)).unwrap();
     let reopen = start.elapsed();
-    assert_eq!(store.live_stats().blocks, live.blocks);
+    assert_eq!(store.live_stats(), live);
+    assert_eq!(store.checkpoint_state().map(|c| c.cursor), Some(ckpt.cursor));
     let (rss_reopen, _) = rss_kib();
 
     let m = live.blocks as f64 / 1e6;
@@ -234,11 +239,9 @@ fn main() {
     println!("| fill: committed batches/s (32 stores each) | {fill_bps:.0} |");
     println!("| fill: block ops/s | {:.0} |", fill_bps * BLOCKS_PER_BATCH as f64);
     println!("| peer, history record only: batches/s | {peer_bps:.0} |");
-    println!("| fill vs peer (cost of the snapshot update) | {:.2}x the peer's time |", peer_bps / fill_bps);
-    println!("| peer 2, the same number of sled keys written, nothing read: batches/s | {keys_bps:.0} |");
     println!(
-        "| fill vs peer 2 (the store's own work over sled's writes) | {:.2}x peer 2's time |",
-        keys_bps / fill_bps
+        "| fill vs peer (the store's cost over the log write alone) | {:.2}x the peer's time |",
+        peer_bps / fill_bps
     );
     println!("| churn at {} live: batches/s (16 stores + 16 removals) | {churn_bps:.0} |", live.blocks);
     println!("| churn: block ops/s | {:.0} |", churn_bps * BLOCKS_PER_BATCH as f64);
@@ -260,11 +263,26 @@ fn main() {
     );
     println!("| snapshot pause, without token ids | {:.0} ms per 1M blocks |", pause_bare.as_secs_f64() * 1e3 / m);
     println!(
-        "| snapshot read-out after the pause | {:.0} ms ({:.1}x the pause) |",
-        stream_tokens.as_secs_f64() * 1e3,
-        stream_tokens.as_secs_f64() / pause_tokens.as_secs_f64()
+        "| snapshot read-out (every block, token ids), beside commits | {:.0} ms |",
+        stream_tokens.as_secs_f64() * 1e3
     );
-    println!("| reopen of the full store | {:.0} ms |", reopen.as_secs_f64() * 1e3);
+    println!(
+        "| longest commit while it was read ({during} commits of 16 stores + 16 removals) | {:.2} ms |",
+        longest_commit.as_secs_f64() * 1e3
+    );
+    println!(
+        "| checkpoint of {} blocks | {:.0} ms, {:.1} MiB ({:.0} bytes per block) |",
+        live.blocks,
+        ckpt_time.as_secs_f64() * 1e3,
+        ckpt.bytes as f64 / (1 << 20) as f64,
+        ckpt.bytes as f64 / live.blocks as f64
+    );
+    println!(
+        "| live set in memory (maps, token slabs) | {:.1} MiB ({:.0} bytes per block) |",
+        heap as f64 / (1 << 20) as f64,
+        heap as f64 / live.blocks as f64
+    );
+    println!("| reopen: the checkpoint, then {after} records of log after it | {:.0} ms |", reopen.as_secs_f64() * 1e3);
     println!("| RSS after reopen | {:.0} MiB |", rss_reopen as f64 / 1024.0);
     println!("| fill time / churn time | {:.1} s / {:.1} s |", fill_time.as_secs_f64(), churn_time.as_secs_f64());
 }

@@ -15,7 +15,7 @@ use crate::ingest::{self, load::Loads, Ingest, IngestItem, Resume};
 use crate::model::{Control, ControlKind, Load, RecordBody};
 use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
 use crate::server::{self, ServerConfig};
-use crate::store::{HistoryLimits, Store, StoreConfig, StoreError};
+use crate::store::{CheckpointPolicy, HistoryLimits, Store, StoreConfig, StoreError};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, RwLock};
@@ -54,6 +54,8 @@ fn store_config(cfg: &Config) -> StoreConfig {
     StoreConfig {
         limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
         cache_bytes: cfg.store_cache_bytes,
+        // Recovery replays at most about half a history of log after the newest checkpoint.
+        checkpoint: CheckpointPolicy { every_records: (cfg.history_batches / 2).max(1), ..CheckpointPolicy::default() },
         ..StoreConfig::new(cfg.state_dir.clone())
     }
 }

@@ -18,6 +18,7 @@ fn cfg(dir: &Path, max_batches: u64, max_bytes: u64) -> StoreConfig {
         cache_bytes: 8 << 20,
         // A short tail in memory: reads exercise both it and sled.
         recent: RecentLimits { max_records: 4, max_bytes: 1 << 20 },
+        checkpoint: CheckpointPolicy::default(),
     }
 }
 
@@ -408,8 +409,8 @@ fn a_store_of_a_future_format_is_refused_with_a_clear_error() {
     assert_eq!(
         msg,
         format!(
-            "store in {} has format version 2, this relay reads version 1: refusing to open it (move the directory aside \
-             to start a new store)",
+            "store in {} has format version 3, this relay reads versions 1 to 2 (it upgrades version 1): refusing to \
+             open it (move the directory aside to start a new store)",
             dir.path().display()
         )
     );
@@ -1098,4 +1099,379 @@ fn a_store_in_use_is_refused_and_opens_once_closed() {
     // The lock goes with the store (sled releases it from its background threads: the open waits).
     drop(s);
     assert_eq!(open(dir.path()).newest_cursor(), 0);
+}
+
+// ---------------------------------------------------------------- log, checkpoints, format 1
+
+/// A store that checkpoints only when asked.
+fn cfg_manual(dir: &Path, max_batches: u64) -> StoreConfig {
+    StoreConfig {
+        checkpoint: CheckpointPolicy { every_records: u64::MAX, every_bytes: u64::MAX },
+        ..cfg(dir, max_batches, u64::MAX)
+    }
+}
+
+#[test]
+fn the_log_keeps_what_the_newest_checkpoint_does_not_cover_and_serves_only_the_history() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg_manual(dir.path(), 10)).unwrap();
+    for seq in 0..30 {
+        s.commit(batch(0, seq, vec![stored(Tier::Device, 0, None, &[seq])])).unwrap();
+    }
+    // The history is the last 10 records; the log on disk still starts at 1 (no checkpoint).
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.oldest, st.newest, st.log_oldest), (10, Some(21), 30, Some(1)));
+    assert_eq!(s.history(0, 100).unwrap().first().map(|r| r.cursor), Some(21));
+    assert_eq!(s.checkpoint_state(), None);
+    let c = s.checkpoint_now().unwrap();
+    assert_eq!((c.id, c.cursor), (1, 30));
+    assert_eq!(s.history_stats().log_oldest, Some(21));
+    // Commits after it: the log keeps the history (the checkpoint covers what is older).
+    for seq in 30..35 {
+        s.commit(batch(0, seq, vec![removed(Tier::Device, 0, &[seq - 30])])).unwrap();
+    }
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.oldest, st.newest, st.log_oldest), (10, Some(26), 35, Some(26)));
+    let want = copies(&s);
+    assert_eq!(want.len(), 25);
+    drop(s);
+    // Reopened: checkpoint 1 plus the 5 records after it.
+    let s = Store::open(cfg_manual(dir.path(), 10)).unwrap();
+    assert_eq!(s.checkpoint_state().map(|c| (c.id, c.cursor)), Some((1, 30)));
+    assert_eq!(copies(&s), want);
+    assert_eq!(s.live_stats(), LiveStats { blocks: 25, copies: 25, removed_not_live: 0, stored_already_live: 0 });
+    let st = s.history_stats();
+    assert_eq!((st.batches, st.oldest, st.newest, st.log_oldest), (10, Some(26), 35, Some(26)));
+    // A second checkpoint replaces the first.
+    assert_eq!(s.checkpoint_now().unwrap().id, 2);
+    drop(s);
+    let s = Store::open(cfg_manual(dir.path(), 10)).unwrap();
+    assert_eq!(s.checkpoint_state().map(|c| (c.id, c.cursor)), Some((2, 35)));
+    assert_eq!(copies(&s), want);
+}
+
+#[test]
+fn checkpoints_follow_the_policy_and_the_log_after_them_rebuilds_the_live_set() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = StoreConfig {
+        checkpoint: CheckpointPolicy { every_records: 50, every_bytes: u64::MAX },
+        ..cfg(dir.path(), 20, u64::MAX)
+    };
+    let s = Store::open(c.clone()).unwrap();
+    let mut rng = StdRng::seed_from_u64(0xc4ec);
+    let mut reference = Reference::default();
+    for seq in 0..400 {
+        let body = random_body(&mut rng, (seq % 3) as u32, seq, true);
+        reference.apply(&body);
+        s.commit(body).unwrap();
+    }
+    // The checkpoint thread keeps up: one began at least every 50 records.
+    let t0 = std::time::Instant::now();
+    while s.checkpoint_state().is_none_or(|c| c.cursor < 350) {
+        assert!(t0.elapsed().as_secs() < 60, "no checkpoint: {:?}", s.checkpoint_state());
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let want = reference.snapshot(&SnapshotFilter::all());
+    assert!(want.len() > 20);
+    assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, want);
+    drop(s);
+    let s = Store::open(c).unwrap();
+    let ckpt = s.checkpoint_state().unwrap().cursor;
+    assert!((350..=400).contains(&ckpt), "{ckpt}");
+    assert_eq!(snapshot_all(&s, SnapshotFilter::all()), (400, want));
+    assert_eq!(summary(&s), reference.summary());
+    let st = s.live_stats();
+    assert_eq!(
+        (st.removed_not_live, st.stored_already_live),
+        (reference.live.removed_not_live, reference.live.stored_already_live)
+    );
+}
+
+/// The keys of checkpoint `id` in a closed store's sled: its manifest and chunks.
+fn checkpoint_keys(dir: &Path, id: u64) -> (sled::Db, Vec<sled::IVec>) {
+    let db = sled::open(dir.join("sled")).unwrap();
+    let data = db.open_tree("data").unwrap();
+    let mut m = vec![b'm'];
+    m.extend_from_slice(&id.to_be_bytes());
+    let mut k = vec![b'k'];
+    k.extend_from_slice(&id.to_be_bytes());
+    let mut keys: Vec<sled::IVec> = data.scan_prefix(&k).keys().map(Result::unwrap).collect();
+    keys.extend(data.get(&m).unwrap().map(|_| m.into()));
+    (db, keys)
+}
+
+#[test]
+fn a_checkpoint_that_is_not_whole_is_passed_over_for_the_previous_one_and_its_log() {
+    let dir = tempfile::tempdir().unwrap();
+    let body = |seq: u64| {
+        let hashes: Vec<u64> = (0..3000).map(|j| (seq * 3000 + j).wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
+        batch(0, seq, vec![stored(Tier::Device, 0, None, &hashes)])
+    };
+    let s = Store::open(cfg_manual(dir.path(), 2)).unwrap();
+    s.commit(body(0)).unwrap();
+    assert_eq!(s.checkpoint_now().unwrap().cursor, 1);
+    s.commit(body(1)).unwrap();
+    s.commit(body(2)).unwrap();
+    let want = copies(&s);
+    assert_eq!(want.len(), 9000);
+    drop(s);
+    // A copy of the store, then checkpoint 2 written over it: in the copy, a checkpoint 2 whose
+    // chunks were all written but one (as a crash, or a write failed under sled, can leave it).
+    let copy = tempfile::tempdir().unwrap();
+    copy_tree(&dir.path().join("sled"), &copy.path().join("sled"));
+    let s = Store::open(cfg_manual(dir.path(), 2)).unwrap();
+    assert_eq!(s.checkpoint_now().unwrap().id, 2);
+    drop(s);
+    let (db, keys) = checkpoint_keys(dir.path(), 2);
+    assert_eq!(keys.len(), 4, "3 chunks of 4,096 blocks and the manifest");
+    let (copy_db, before) = checkpoint_keys(copy.path(), 2);
+    assert!(before.is_empty());
+    let data = copy_db.open_tree("data").unwrap();
+    for k in &keys[..keys.len() - 1] {
+        if k != &keys[1] {
+            data.insert(k, db.open_tree("data").unwrap().get(k).unwrap().unwrap()).unwrap();
+        }
+    }
+    let manifest = keys.last().unwrap();
+    data.insert(manifest, db.open_tree("data").unwrap().get(manifest).unwrap().unwrap()).unwrap();
+    copy_db.flush().unwrap();
+    drop((db, data, copy_db));
+    // Checkpoint 1 and the log after it: the same live set, and checkpoint 2's keys are gone.
+    let s = Store::open(cfg_manual(copy.path(), 2)).unwrap();
+    assert_eq!(s.checkpoint_state().map(|c| (c.id, c.cursor)), Some((1, 1)));
+    assert_eq!(copies(&s), want);
+    drop(s);
+    assert!(checkpoint_keys(copy.path(), 2).1.is_empty());
+    // The store itself took checkpoint 2, whole.
+    let s = Store::open(cfg_manual(dir.path(), 2)).unwrap();
+    assert_eq!(s.checkpoint_state().map(|c| (c.id, c.cursor)), Some((2, 3)));
+    assert_eq!(copies(&s), want);
+}
+
+fn block_json(b: &SnapshotBlock) -> serde_json::Value {
+    serde_json::json!({
+        "dp_rank": b.dp_rank, "tier": b.tier.as_str(), "group": b.group, "hash": b.hash,
+        "parent": b.parent, "block_size": b.block_size, "namespace": b.namespace, "copies": b.copies,
+        "token_ids": b.token_ids, "token_layout": b.token_layout,
+    })
+}
+
+fn copy_tree(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            copy_tree(&e.path(), &to.join(e.file_name()));
+        } else {
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    }
+}
+
+#[test]
+fn a_format_1_store_is_upgraded_on_open_keeping_epoch_history_live_blocks_and_ranks() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/store-format1");
+    let want: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(fixture.join("expected.json")).unwrap()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    copy_tree(&fixture.join("sled"), &dir.path().join("sled"));
+    let v1_live_keys = {
+        let db = sled::open(dir.path().join("sled")).unwrap();
+        assert_eq!(db.open_tree("meta").unwrap().get("format").unwrap().unwrap(), 1u32.to_be_bytes()[..]);
+        db.open_tree("data").unwrap().scan_prefix(b"l").count()
+    };
+    // Keys of the cleared tier are still there, for the upgrade to tell apart.
+    assert!(v1_live_keys > 409, "{v1_live_keys}");
+    let c = cfg(dir.path(), 150, 1 << 20);
+    let newest = want["newest"].as_u64().unwrap();
+    assert_eq!((newest, want["history"].as_array().unwrap().len()), (309, 150));
+    let check = |s: &Store, incarnation: u32| {
+        assert_eq!(s.epoch(), want["epoch"].as_u64().unwrap());
+        assert_eq!(s.incarnation(), incarnation);
+        assert_eq!(serde_json::to_value(s.incarnations()).unwrap().as_object().unwrap().len(), incarnation as usize);
+        assert_eq!(s.newest_cursor(), newest);
+        assert_eq!(s.oldest_cursor(), want["oldest"].as_u64());
+        let hs = s.history_stats();
+        assert_eq!(serde_json::json!({"batches": hs.batches, "bytes": hs.bytes}), want["history_stats"]);
+        let st = s.live_stats();
+        assert_eq!(
+            serde_json::json!({"blocks": st.blocks, "copies": st.copies, "removed_not_live": st.removed_not_live, "stored_already_live": st.stored_already_live}),
+            want["live_stats"]
+        );
+        assert_eq!(serde_json::to_value(s.rank_states()).unwrap(), want["rank_states"]);
+        let groups: Vec<serde_json::Value> = summary(s)
+            .into_iter()
+            .map(|(r, t, g, b, c, n)| serde_json::json!({"dp_rank": r, "tier": t.as_str(), "group": g, "blocks": b, "copies": c, "namespaces": n}))
+            .collect();
+        assert_eq!(serde_json::Value::from(groups), want["summary"]);
+        let (cursor, blocks) = snapshot_all(s, SnapshotFilter::all());
+        assert_eq!(cursor, newest);
+        assert_eq!(serde_json::Value::from(blocks.iter().map(block_json).collect::<Vec<_>>()), want["blocks"]);
+        assert_eq!(serde_json::to_value(all_history(s)).unwrap(), want["history"]);
+    };
+    let s = Store::open(c.clone()).unwrap();
+    check(&s, 3);
+    assert_eq!(serde_json::to_value(s.incarnations()).unwrap(), want["incarnations"]);
+    assert_eq!(s.checkpoint_state().map(|c| c.cursor), Some(newest));
+    drop(s);
+    {
+        let db = sled::open(dir.path().join("sled")).unwrap();
+        assert_eq!(db.open_tree("meta").unwrap().get("format").unwrap().unwrap(), FORMAT_VERSION.to_be_bytes()[..]);
+        let data = db.open_tree("data").unwrap();
+        for p in [b"c", b"l", b"n", b"r", b"s", b"w"] {
+            assert_eq!(data.scan_prefix(p).count(), 0, "format 1's {:?} keys", p[0] as char);
+        }
+    }
+    // Opened again as format 2, the same; and commits go on after it.
+    let s = Store::open(c).unwrap();
+    check(&s, 4);
+    let r = s.commit(control(2, ControlKind::RankRecovered)).unwrap();
+    assert_eq!((r.cursor, r.incarnation), (newest + 1, 4));
+    assert_eq!(s.rank_state(2).unwrap().health, RankHealth::Ok);
+}
+
+// ---------------------------------------------------------------- kill -9 inside checkpoints
+
+const CKPT_CHILD_DIR: &str = "KV_RELAY_STORE_CKPT_CRASH_DIR";
+
+/// The body at seq `seq` of the checkpoint crash test's one-rank stream: 64 blocks of 16 tokens
+/// stored, and the 64 stored 300 batches before removed (a live set of about 19,000 blocks).
+fn ckpt_body(seq: u64) -> RecordBody {
+    let hashes = |s: u64| (0..64u64).map(move |j| (s * 64 + j + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+    let mut events = vec![Event::Stored(Stored {
+        tier: Tier::Device,
+        group: Group::default(),
+        parent: seq.checked_sub(1).map(|p| hashes(p).next_back().unwrap()),
+        block_size: 16,
+        token_layout: TokenLayout::Single,
+        blocks: hashes(seq)
+            .map(|h| Block { hash: h, token_ids: (0..16).map(|t| (h as u32) ^ t).collect(), extra_keys: None })
+            .collect(),
+        namespace: Namespace::default(),
+        session_id: None,
+        ownership: None,
+        lookahead_token_ids: None,
+        block_mm_infos: None,
+    })];
+    if seq >= 300 {
+        events.push(removed(Tier::Device, 0, &hashes(seq - 300).collect::<Vec<_>>()));
+    }
+    batch(0, seq, events)
+}
+
+fn ckpt_cfg(dir: &Path) -> StoreConfig {
+    StoreConfig {
+        checkpoint: CheckpointPolicy { every_records: u64::MAX, every_bytes: u64::MAX },
+        ..cfg(dir, 200, u64::MAX)
+    }
+}
+
+/// Not a test on its own: the child of `kill_9_inside_checkpoints_…`. It commits the stream from
+/// where the store left it, while a second thread writes checkpoints one after another and says
+/// when each begins and ends; it runs until it is killed.
+#[test]
+fn ckpt_crash_child() {
+    let Ok(dir) = std::env::var(CKPT_CHILD_DIR) else { return };
+    let s = Store::open(ckpt_cfg(Path::new(&dir))).unwrap();
+    println!("open {}", s.newest_cursor());
+    let writer = {
+        let s = s.clone();
+        std::thread::spawn(move || loop {
+            println!("ckpt begin");
+            let c = s.checkpoint_now().unwrap();
+            println!("ckpt end {}", c.cursor);
+            // A pause between checkpoints: some kills land outside one.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        })
+    };
+    let mut seq = s.rank_state(0).and_then(|c| c.last_seq).map_or(0, |q| q + 1);
+    loop {
+        s.commit(ckpt_body(seq)).unwrap();
+        seq += 1;
+        if writer.is_finished() {
+            panic!("the checkpoint thread ended");
+        }
+    }
+}
+
+#[test]
+fn kill_9_inside_checkpoints_leaves_the_previous_checkpoint_and_the_log_exact() {
+    use std::io::BufRead;
+    use std::process::{Command, Stdio};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    let dir = tempfile::tempdir().unwrap();
+    let mut rng = StdRng::seed_from_u64(0xc0ffee);
+    let (mut inside, mut checkpointed) = (0, 0);
+    let rounds = 12;
+    for round in 0..rounds {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args(["ckpt_crash_child", "--exact", "--nocapture", "--test-threads", "1"])
+            .env(CKPT_CHILD_DIR, dir.path())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        // (opened, a checkpoint begun and not ended, checkpoints ended)
+        let seen = Arc::new(Mutex::new((false, false, 0u32)));
+        let reader = {
+            let seen = seen.clone();
+            let out = child.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                for line in std::io::BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    let mut s = seen.lock().unwrap();
+                    if line.contains("open ") {
+                        s.0 = true;
+                    } else if line.ends_with("ckpt begin") {
+                        s.1 = true;
+                    } else if line.contains("ckpt end ") {
+                        (s.1, s.2) = (false, s.2 + 1);
+                    }
+                }
+            })
+        };
+        let t0 = std::time::Instant::now();
+        while !seen.lock().unwrap().0 {
+            assert!(t0.elapsed() < Duration::from_secs(60), "round {round}: the child did not open the store");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        std::thread::sleep(Duration::from_millis(rng.random_range(150..700)));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        reader.join().unwrap();
+        let (_, mid, ended) = *seen.lock().unwrap();
+        inside += u32::from(mid);
+        checkpointed += ended;
+        // The store: its history contiguous and the stream's; its live set the stream's up to
+        // the newest durable record.
+        let s = Store::open(ckpt_cfg(dir.path())).unwrap();
+        let newest = s.newest_cursor();
+        assert!(newest > 0, "round {round}");
+        let hist = all_history(&s);
+        assert_eq!(hist.first().map(|r| r.cursor), s.oldest_cursor(), "round {round}");
+        for (i, r) in hist.iter().enumerate() {
+            assert_eq!(r.cursor, hist[0].cursor + i as u64, "round {round}: hole in the history");
+            assert_eq!(r.body, ckpt_body(r.cursor - 1), "round {round}: cursor {}", r.cursor);
+        }
+        assert_eq!(hist.last().map(|r| r.cursor), Some(newest), "round {round}");
+        let mut reference = Reference::default();
+        (0..newest).for_each(|seq| reference.apply(&ckpt_body(seq)));
+        assert_eq!(
+            snapshot_all(&s, SnapshotFilter::all()),
+            (newest, reference.snapshot(&SnapshotFilter::all())),
+            "round {round}"
+        );
+        assert_eq!(s.rank_state(0).and_then(|c| c.last_seq), Some(newest - 1), "round {round}");
+        eprintln!(
+            "round {round}: durable {newest}, killed {} a checkpoint, newest whole checkpoint at {:?}, log from {:?}",
+            if mid { "inside" } else { "outside" },
+            s.checkpoint_state().map(|c| c.cursor),
+            s.history_stats().log_oldest
+        );
+    }
+    eprintln!("{inside} of {rounds} kills landed inside a checkpoint's write; {checkpointed} checkpoints ended");
+    assert!(inside > 0, "no kill landed inside a checkpoint's write");
+    assert!(checkpointed > 0);
 }

@@ -1,20 +1,19 @@
-//! Byte layouts of the store's keys and values (format version [`super::FORMAT_VERSION`]).
+//! Byte layouts of the store's keys and values (format version [`super::FORMAT_VERSION`]; the
+//! layouts only format 1 had, read when a format-1 store is upgraded, are in `format.rs`).
 //!
 //! Every integer in a key is big-endian, so sled's byte order is numeric order and a key prefix
 //! selects a range. Values are little-endian where hand-laid. Decoders never panic on short or
 //! garbled input: they return `None`, which the store reports as [`super::StoreError::Decode`].
 
-use crate::model::{Bytes, Event, KeyPart, MapParts, Namespace, Record, RecordBody, Stored, Tier, TokenLayout};
+use crate::model::{Bytes, Event, KeyPart, MapParts, Namespace, Record, RecordBody, Stored, Tier};
 use serde::{Deserialize, Serialize};
 
-/// Key prefixes of the `data` tree.
-pub(crate) const P_COUNTERS: u8 = b'c';
+/// Key prefixes of the `data` tree (format 2; checkpoints add `k` and `m`, `checkpoint.rs`).
+pub(crate) const P_COUNTERS: u8 = b'C';
+/// The history: `h cursor` (the same keys and record layout as format 1).
 pub(crate) const P_HISTORY: u8 = b'h';
-pub(crate) const P_LIVE: u8 = b'l';
-pub(crate) const P_NAMESPACE: u8 = b'n';
-pub(crate) const P_RANK: u8 = b'r';
-pub(crate) const P_SUMMARY: u8 = b's';
-pub(crate) const P_SWEEP: u8 = b'w';
+/// A rank's ingest position: `R rank`, a [`super::RankCursor`].
+pub(crate) const P_RANK: u8 = b'R';
 
 /// A small reader over a byte slice.
 pub(crate) struct Reader<'a> {
@@ -123,136 +122,23 @@ pub(crate) fn get_namespace(r: &mut Reader<'_>) -> Option<Namespace> {
     Some(Namespace { lora_name, lora_id, cache_salt })
 }
 
-/// Where a group of live blocks sits in the keyspace: rank, rank generation, tier, tier
-/// generation, group. A clear bumps a generation, so every key written under the old one is dead
-/// at once (and swept later) without touching it in the commit.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub(crate) struct GroupAt {
-    pub dp_rank: u32,
-    pub rgen: u32,
-    pub tier: Tier,
-    pub tgen: u32,
-    pub group: u32,
-}
-
-/// The generations part of a key: `rank rgen tier tgen` (the prefix of a tier's blocks).
-pub(crate) fn tier_prefix(p: u8, dp_rank: u32, rgen: u32, tier: &Tier, tgen: u32) -> Result<Vec<u8>, String> {
-    let mut k = Vec::with_capacity(32);
-    k.push(p);
-    k.extend_from_slice(&dp_rank.to_be_bytes());
-    k.extend_from_slice(&rgen.to_be_bytes());
-    put_tier(&mut k, tier)?;
-    k.extend_from_slice(&tgen.to_be_bytes());
-    Ok(k)
-}
-
-pub(crate) fn group_key(p: u8, g: &GroupAt) -> Result<Vec<u8>, String> {
-    let mut k = tier_prefix(p, g.dp_rank, g.rgen, &g.tier, g.tgen)?;
-    k.extend_from_slice(&g.group.to_be_bytes());
-    Ok(k)
-}
-
-/// `l rank rgen tier tgen group hash`.
-pub(crate) fn live_key(g: &GroupAt, hash: u64) -> Result<Vec<u8>, String> {
-    let mut k = group_key(P_LIVE, g)?;
-    k.extend_from_slice(&hash.to_be_bytes());
-    Ok(k)
-}
-
-/// Parses the part of a `l`, `s` or `n` key after the prefix byte: the group, and the rest.
-pub(crate) fn parse_group_key(key: &[u8]) -> Option<(GroupAt, &[u8])> {
-    let mut r = Reader::new(key.get(1..)?);
-    let dp_rank = r.u32_be()?;
-    let rgen = r.u32_be()?;
-    let tier = get_tier(&mut r)?;
-    let tgen = r.u32_be()?;
-    let group = r.u32_be()?;
-    Some((GroupAt { dp_rank, rgen, tier, tgen, group }, r.b))
-}
-
-/// One live block's value: `copies u32le, block_size u32le, flags u8 (1 parent, 2 bigram),
-/// [parent u64le], namespace, n u32le, n token ids u32le`. The copy count comes first so a store
-/// or removal of a held block patches 4 bytes.
-#[derive(Debug, Clone, PartialEq)]
-pub(crate) struct LiveValue {
-    pub copies: u32,
-    pub block_size: u32,
-    pub parent: Option<u64>,
-    pub layout: TokenLayout,
-    pub namespace: Namespace,
-    pub token_ids: Vec<u32>,
-}
-
-impl LiveValue {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(24 + 4 * self.token_ids.len());
-        v.extend_from_slice(&self.copies.to_le_bytes());
-        v.extend_from_slice(&self.block_size.to_le_bytes());
-        let flags = u8::from(self.parent.is_some()) | (u8::from(self.layout == TokenLayout::Bigram) << 1);
-        v.push(flags);
-        if let Some(p) = self.parent {
-            v.extend_from_slice(&p.to_le_bytes());
-        }
-        put_namespace(&mut v, &self.namespace);
-        v.extend_from_slice(&(self.token_ids.len() as u32).to_le_bytes());
-        for t in &self.token_ids {
-            v.extend_from_slice(&t.to_le_bytes());
-        }
-        v
-    }
-
-    /// Decodes; token ids only when asked (a snapshot without token ids skips them).
-    pub(crate) fn decode(b: &[u8], with_tokens: bool) -> Option<LiveValue> {
-        let mut r = Reader::new(b);
-        let copies = r.u32_le()?;
-        let block_size = r.u32_le()?;
-        let flags = r.u8()?;
-        if flags & !3 != 0 {
-            return None;
-        }
-        let parent = if flags & 1 != 0 { Some(r.u64_le()?) } else { None };
-        let layout = if flags & 2 != 0 { TokenLayout::Bigram } else { TokenLayout::Single };
-        let namespace = get_namespace(&mut r)?;
-        let n = r.u32_le()? as usize;
-        let raw = r.take(n.checked_mul(4)?)?;
-        if !r.is_empty() {
-            return None;
-        }
-        let token_ids = if with_tokens {
-            raw.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
-        } else {
-            Vec::new()
-        };
-        Some(LiveValue { copies, block_size, parent, layout, namespace, token_ids })
-    }
-
-    pub(crate) fn copies_of(b: &[u8]) -> Option<u32> {
-        Reader::new(b).u32_le()
-    }
-
-    pub(crate) fn with_copies(b: &[u8], copies: u32) -> Vec<u8> {
-        let mut v = b.to_vec();
-        v[..4].copy_from_slice(&copies.to_le_bytes());
-        v
-    }
-}
-
-/// The store's running totals, one key `c`: six big-endian u64s.
+/// The store's running totals of the log, one key `C`: five big-endian u64s.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Counters {
     /// Newest committed cursor (0: none yet).
     pub newest: u64,
-    /// Oldest cursor still in the history (0: the history is empty).
+    /// Oldest cursor of the history subscribers can resume from (0: the history is empty).
     pub oldest: u64,
     pub hist_batches: u64,
     pub hist_bytes: u64,
-    pub removed_not_live: u64,
-    pub stored_already_live: u64,
+    /// Oldest cursor still on disk (0: none): at most `oldest`, lower while the newest
+    /// checkpoint does not cover the records before `oldest` yet.
+    pub kept_from: u64,
 }
 
 impl Counters {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        [self.newest, self.oldest, self.hist_batches, self.hist_bytes, self.removed_not_live, self.stored_already_live]
+        [self.newest, self.oldest, self.hist_batches, self.hist_bytes, self.kept_from]
             .iter()
             .flat_map(|x| x.to_be_bytes())
             .collect()
@@ -264,30 +150,9 @@ impl Counters {
             oldest: r.u64_be()?,
             hist_batches: r.u64_be()?,
             hist_bytes: r.u64_be()?,
-            removed_not_live: r.u64_be()?,
-            stored_already_live: r.u64_be()?,
+            kept_from: r.u64_be()?,
         };
         r.is_empty().then_some(c)
-    }
-}
-
-/// A live group's totals (`s` key): blocks and copies, two big-endian u64s. The `n` keys hold
-/// the number of blocks per namespace, one big-endian u64.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct GroupTotals {
-    pub blocks: u64,
-    pub copies: u64,
-}
-
-impl GroupTotals {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v = self.blocks.to_be_bytes().to_vec();
-        v.extend_from_slice(&self.copies.to_be_bytes());
-        v
-    }
-    pub(crate) fn decode(b: &[u8]) -> Option<GroupTotals> {
-        let mut r = Reader::new(b);
-        Some(GroupTotals { blocks: r.u64_be()?, copies: r.u64_be()? })
     }
 }
 
@@ -477,27 +342,5 @@ mod tests {
             let rec = Record { cursor: 1, incarnation: 1, body: RecordBody::Control(Control { dp_rank: 3, kind }) };
             assert_eq!(decode_record(&encode_record(&rec).unwrap()).unwrap(), rec);
         }
-    }
-
-    #[test]
-    fn live_values_and_tiers_round_trip() {
-        let v = LiveValue {
-            copies: 3,
-            block_size: 16,
-            parent: Some(42),
-            layout: TokenLayout::Bigram,
-            namespace: Namespace { lora_name: Some("a".into()), lora_id: Some(5), cache_salt: Some("s".into()) },
-            token_ids: vec![1, 2, u32::MAX],
-        };
-        let b = v.encode();
-        assert_eq!(LiveValue::decode(&b, true).unwrap(), v);
-        assert_eq!(LiveValue::decode(&b, false).unwrap().token_ids, Vec::<u32>::new());
-        assert_eq!(LiveValue::decode(&LiveValue::with_copies(&b, 9), true).unwrap().copies, 9);
-        assert!(LiveValue::decode(&b[..b.len() - 1], true).is_none());
-        let g = GroupAt { dp_rank: 1, rgen: 2, tier: Tier::Other("x".into()), tgen: 3, group: 4 };
-        let k = live_key(&g, 99).unwrap();
-        let (back, rest) = parse_group_key(&k).unwrap();
-        assert_eq!(back, g);
-        assert_eq!(rest, 99u64.to_be_bytes());
     }
 }

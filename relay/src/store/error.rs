@@ -8,8 +8,8 @@ use std::path::{Path, PathBuf};
 pub enum StoreError {
     /// The directory holds a store written in a format this build does not read.
     #[error(
-        "store in {dir} has format version {found}, this relay reads version {supported}: \
-         refusing to open it (move the directory aside to start a new store)"
+        "store in {dir} has format version {found}, this relay reads versions 1 to {supported} (it upgrades \
+         version 1): refusing to open it (move the directory aside to start a new store)"
     )]
     IncompatibleFormat { dir: PathBuf, found: u32, supported: u32 },
     /// Another process (or another `Store` in this one) has the directory open.
