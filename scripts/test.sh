@@ -12,6 +12,18 @@ if [ "${CI:-}" = true ]; then export CARGO_INCREMENTAL=0; fi
 disk() { df -h --output=avail,target . | tail -n 1 | awk '{print "disk free on " $2 ": " $1}'; }
 disk
 
+step "the repository stands alone"
+# Tests, benchmarks and tools read their data from testdata/ (the kv-relay-testdata crate finds
+# it), never from beside the checkout: a clone has nothing there. CI's own clone may have such a
+# folder beside it, so only this check can catch a path that leaves the repository.
+if outside=$(git grep -n -I -E '\.\./shared/|shared/(fixtures|data|specs)|/work/' -- . ':!scripts/test.sh'); then
+  printf '%s\n' "$outside" >&2
+  echo "these lines name files outside the repository (a clone does not have them):" \
+    "read testdata/ through kv-relay-testdata, or bring what a doc needs into docs/" >&2
+  exit 1
+fi
+echo "no path leaves the repository"
+
 step "format"
 cargo fmt --all -- --check
 

@@ -1,4 +1,4 @@
-//! Reproduces every block hash stored in the real engine captures of `shared/fixtures`
+//! Reproduces every block hash stored in the real engine captures of `testdata/fixtures`
 //! from the token ids of the requests recorded in their manifests.
 //!
 //! For each capture the `BlockStored` events of the `pub` stream are decoded (msgpack), and
@@ -7,7 +7,6 @@
 //! tokens the hash was computed from. Counts are exact.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
 
 use base64::Engine as _;
 use kv_relay_proto::hash::{
@@ -16,12 +15,8 @@ use kv_relay_proto::hash::{
 };
 use serde_json::Value as Json;
 
-fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
-}
-
 fn manifest(name: &str) -> Json {
-    let path = fixtures_dir().join(format!("{name}.manifest.json"));
+    let path = kv_relay_testdata::manifest(name);
     let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
     serde_json::from_str(&text).expect("manifest is json")
 }
@@ -86,7 +81,7 @@ impl WireStore {
 
 /// Every `BlockStored` event of the `pub` lines of a capture, in file order.
 fn store_events(name: &str) -> Vec<WireStore> {
-    let path = fixtures_dir().join(format!("{name}.jsonl"));
+    let path = kv_relay_testdata::capture(name);
     let text = std::fs::read_to_string(&path).expect("capture readable");
     let b64 = base64::engine::general_purpose::STANDARD;
     let mut out = Vec::new();

@@ -1,4 +1,4 @@
-//! Exact test vectors: those of `shared/specs/engine-wire-formats.md` (§3, §4.2) and
+//! Exact test vectors: those of `docs/engine-wire-formats.md` (§3, §4.2) and
 //! values computed with CPython 3.11 (`pickle`, `hashlib`), cbor2 and python-xxhash for the
 //! cases the spec does not list (xxhash, extra keys, large pickles with several frames).
 

@@ -18,14 +18,7 @@ use kv_relay::capture::{self, CapturedMessage, Decoded, SocketKind};
 use kv_relay::normalize::Normalizer;
 use kv_relay::wire::{self, ReplayReply};
 use std::hint::black_box;
-use std::path::PathBuf;
 use std::time::{Duration, Instant};
-
-fn fixtures_dir() -> PathBuf {
-    std::env::var_os("KV_RELAY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
 
 struct Fixture {
     name: String,
@@ -50,14 +43,7 @@ fn payload_of(m: &CapturedMessage) -> Option<Vec<u8>> {
 }
 
 fn load() -> Vec<Fixture> {
-    let dir = fixtures_dir();
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("fixtures at {}: {e} (set KV_RELAY_FIXTURES)", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-        .collect();
-    paths.sort();
-    paths
+    kv_relay_testdata::captures()
         .into_iter()
         .map(|p| {
             let name = p.file_stem().unwrap().to_string_lossy().into_owned();

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Writes the fuzzers' seed corpora from the capture fixtures (not committed: regenerate).
 
-    python3 relay/fuzz/seed_corpus.py [FIXTURES_DIR]
+    python3 relay/fuzz/seed_corpus.py [FIXTURES_DIR]   # default: testdata/fixtures
 
 corpus/decode_batch/: every distinct batch payload of every fixture.
 corpus/frames/: every fixture cut into runs of up to 8 consecutive messages, in the `frames`
@@ -10,7 +10,7 @@ target's layout (mode byte, then u16-LE-length-prefixed frames).
 import base64, hashlib, json, os, pathlib, sys
 
 here = pathlib.Path(__file__).resolve().parent
-fixtures = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else here / "../../../shared/fixtures")
+fixtures = pathlib.Path(sys.argv[1] if len(sys.argv) > 1 else here / "../../testdata/fixtures")
 out_batch = here / "corpus/decode_batch"
 out_frames = here / "corpus/frames"
 out_batch.mkdir(parents=True, exist_ok=True)

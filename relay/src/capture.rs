@@ -1,5 +1,5 @@
 //! Capture files: one ZeroMQ multipart message per JSON line, as recorded from engines (the
-//! format of `shared/fixtures/`, documented in `docs/decode.md`), and decoding them whole.
+//! format of `testdata/fixtures/`, documented in `docs/decode.md`), and decoding them whole.
 
 use crate::drops::Tally;
 use crate::live::LiveBlocks;

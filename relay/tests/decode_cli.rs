@@ -8,15 +8,8 @@ use kv_relay::{capture, decode_cmd};
 use std::path::PathBuf;
 use std::process::Command;
 
-const FIXTURE: &str = "golden-vllm-0.26.jsonl";
-
 fn fixture() -> PathBuf {
-    let dir = std::env::var_os("KV_RELAY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
-    let p = dir.join(FIXTURE);
-    assert!(p.is_file(), "{} not found (set KV_RELAY_FIXTURES)", p.display());
-    p
+    kv_relay_testdata::capture("golden-vllm-0.26")
 }
 
 fn rendered(json: bool) -> String {

@@ -22,7 +22,6 @@ use kv_relay::store::{Store, StoreConfig};
 use kv_relay::wire::{self, RawCleared, RawEvent, RawRemoved, RawStored, RawTokens};
 use proptest::prelude::*;
 use rmpv::Value as V;
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 fn enc(v: &V) -> Vec<u8> {
@@ -111,25 +110,12 @@ proptest! {
 // ---------------------------------------------------------------------------------------------
 // (b) mutated real payloads
 
-fn fixtures_dir() -> PathBuf {
-    std::env::var_os("KV_RELAY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"))
-}
-
 /// Every distinct batch payload of every fixture.
 fn real_payloads() -> &'static [Vec<u8>] {
     static P: OnceLock<Vec<Vec<u8>>> = OnceLock::new();
     P.get_or_init(|| {
-        let dir = fixtures_dir();
-        let mut names: Vec<PathBuf> = std::fs::read_dir(&dir)
-            .unwrap_or_else(|e| panic!("fixtures at {}: {e} (set KV_RELAY_FIXTURES)", dir.display()))
-            .map(|e| e.unwrap().path())
-            .filter(|p| p.extension().is_some_and(|x| x == "jsonl"))
-            .collect();
-        names.sort();
         let mut out = Vec::new();
-        for p in names {
+        for p in kv_relay_testdata::captures() {
             for m in capture::read(&p).unwrap() {
                 let frames: Vec<&[u8]> = m.frames.iter().map(Vec::as_slice).collect();
                 let f = match m.socket {

@@ -1,4 +1,4 @@
-//! Every capture and golden stream in `shared/fixtures/` decodes to exactly what its manifest
+//! Every capture and golden stream in `testdata/fixtures/` decodes to exactly what its manifest
 //! says: the counts, each decoded event field by field, the live blocks with copies counted at
 //! the end and at every checkpoint, and, through the normalizer, the relay's model.
 
@@ -8,40 +8,17 @@ use kv_relay::model::{Tier, TokenLayout};
 use kv_relay::wire::{self, RawEvent};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
-
-fn fixtures_dir() -> PathBuf {
-    let dir = std::env::var_os("KV_RELAY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
-    assert!(dir.is_dir(), "fixtures not found at {} (set KV_RELAY_FIXTURES)", dir.display());
-    dir
-}
-
-/// Every fixture name, from the directory itself, so none can be skipped.
-fn fixture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(fixtures_dir())
-        .unwrap()
-        .filter_map(|e| {
-            let n = e.unwrap().file_name().into_string().unwrap();
-            n.strip_suffix(".manifest.json").map(str::to_owned)
-        })
-        .collect();
-    names.sort();
-    names
-}
 
 fn load(name: &str) -> (Vec<CapturedMessage>, Value) {
-    let dir = fixtures_dir();
-    let messages = capture::read(&dir.join(format!("{name}.jsonl"))).unwrap();
+    let messages = capture::read(&kv_relay_testdata::capture(name)).unwrap();
     let manifest: Value =
-        serde_json::from_str(&std::fs::read_to_string(dir.join(format!("{name}.manifest.json"))).unwrap()).unwrap();
+        serde_json::from_str(&std::fs::read_to_string(kv_relay_testdata::manifest(name)).unwrap()).unwrap();
     (messages, manifest)
 }
 
 #[test]
 fn every_fixture_is_covered() {
-    let names = fixture_names();
+    let names = kv_relay_testdata::names();
     assert_eq!(names.len(), 22, "{names:?}");
 }
 
@@ -66,7 +43,7 @@ fn pub_events(messages: &[CapturedMessage]) -> Vec<(usize, u32, u64, Vec<RawEven
 
 #[test]
 fn counts_match_every_manifest() {
-    for name in fixture_names() {
+    for name in kv_relay_testdata::names() {
         let (messages, m) = load(&name);
         let c = &m["counts"];
         let evs = pub_events(&messages);
@@ -148,7 +125,7 @@ fn neutral(e: &RawEvent) -> Value {
 #[test]
 fn golden_streams_decode_field_by_field() {
     let mut checked = 0;
-    for name in fixture_names().into_iter().filter(|n| n.starts_with("golden-")) {
+    for name in kv_relay_testdata::names().into_iter().filter(|n| n.starts_with("golden-")) {
         let (messages, m) = load(&name);
         let evs = pub_events(&messages);
         let batches = m["batches_decoded_neutral"].as_array().unwrap();
@@ -166,7 +143,7 @@ fn golden_streams_decode_field_by_field() {
             }
         }
     }
-    let want: u64 = fixture_names()
+    let want: u64 = kv_relay_testdata::names()
         .iter()
         .filter(|n| n.starts_with("golden-"))
         .map(|n| load(n).1["counts"]["events"].as_u64().unwrap())
@@ -191,7 +168,7 @@ fn hash_u64(v: &Value) -> u64 {
 #[test]
 fn real_captures_first_batches_match_the_untyped_decode() {
     let mut checked = 0;
-    for name in fixture_names().into_iter().filter(|n| !n.starts_with("golden-")) {
+    for name in kv_relay_testdata::names().into_iter().filter(|n| !n.starts_with("golden-")) {
         let (messages, m) = load(&name);
         let evs = pub_events(&messages);
         for fb in m["first_batches_decoded"].as_array().unwrap() {
@@ -248,7 +225,7 @@ fn expected_of(v: &Value) -> BTreeMap<RawKey, BTreeMap<u64, u32>> {
 
 #[test]
 fn raw_walk_matches_expected_refcounted_and_every_checkpoint() {
-    for name in fixture_names() {
+    for name in kv_relay_testdata::names() {
         let (messages, m) = load(&name);
         let checkpoints: BTreeMap<u64, &Value> = m["checkpoints"]
             .as_array()
@@ -307,7 +284,7 @@ fn raw_walk_matches_expected_refcounted_and_every_checkpoint() {
 /// its full-attention group 1, and every one of its events is counted as such).
 #[test]
 fn normalized_walk_matches_expected_with_tiers_and_hybrid_policy() {
-    for name in fixture_names() {
+    for name in kv_relay_testdata::names() {
         let (messages, m) = load(&name);
         let walk = capture::walk(&messages);
         let evs = pub_events(&messages);

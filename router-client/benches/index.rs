@@ -13,8 +13,8 @@
 //! threads, 1), `--capacity N` (blocks per worker, 4096), `--copies N` (trace copies; default
 //! workers / 2, at least 4), `--blocks N` (stop the workload after N stored blocks; 0 = the
 //! whole trace), `--lookups N` (distinct lookup requests, 20,000), `--trace FILE` (default
-//! `$KV_ROUTER_MOONCAKE`, else `../shared/data/mooncake/conversation_trace.jsonl`; a synthetic
-//! trace of the same shape when absent), `--lookup-rate N` (the lookup thread beside the
+//! `$KV_ROUTER_MOONCAKE`, else the repository's `testdata/mooncake/conversation_trace.jsonl`; a
+//! synthetic trace of the same shape when the file cannot be read), `--lookup-rate N` (the lookup thread beside the
 //! writers does N lookups a second instead of back to back; `RadixTree` keeps one lookup every
 //! 8 events), `--reference` (add the reference with Dynamo on),
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
@@ -612,11 +612,7 @@ impl Opts {
             trace: val("--trace")
                 .map(PathBuf::from)
                 .or_else(|| std::env::var_os("KV_ROUTER_MOONCAKE").map(PathBuf::from))
-                .or_else(|| {
-                    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                        .join("../../shared/data/mooncake/conversation_trace.jsonl");
-                    p.exists().then_some(p)
-                }),
+                .or_else(|| Some(kv_relay_testdata::mooncake("conversation_trace.jsonl"))),
             reference: args.iter().any(|a| a == "--reference") || !cfg!(feature = "dynamo-bench"),
             only: val("--only"),
             lookup_runs: val("--lookup-runs").and_then(|v| v.parse().ok()),

@@ -17,7 +17,8 @@
 //! Environment: `KV_RELAY_BIN` (the relay binary; default `target/release/kv-relay`, or
 //! `target/debug/kv-relay` in quick mode), `KV_RELAY_BENCH_DIR` (where state directories go),
 //! `KV_RELAY_BENCH_RUNS` (repetitions of each latency window and resync, default 3),
-//! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace),
+//! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace; default
+//! `testdata/mooncake/conversation_trace.jsonl`),
 //! `KV_RELAY_BENCH_ONLY` (comma list of `ingest,latency,footprint` to run a part).
 
 use std::path::{Path, PathBuf};
@@ -55,7 +56,7 @@ struct Opts {
     latency_rate: f64,
     latency_window: Duration,
     dir: PathBuf,
-    trace: Option<PathBuf>,
+    trace: PathBuf,
     only: Vec<String>,
 }
 
@@ -63,10 +64,9 @@ impl Opts {
     fn from_env() -> Opts {
         let quick = std::env::var("KV_RELAY_BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
         let env_u = |k: &str, d: u64| std::env::var(k).ok().and_then(|v| v.parse().ok()).unwrap_or(d);
-        let trace = std::env::var("KV_RELAY_MOONCAKE").map(PathBuf::from).ok().or_else(|| {
-            let p = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mooncake/conversation_trace.jsonl");
-            p.exists().then_some(p)
-        });
+        let trace = std::env::var("KV_RELAY_MOONCAKE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|_| kv_relay_testdata::mooncake("conversation_trace.jsonl"));
         Opts {
             quick,
             runs: env_u("KV_RELAY_BENCH_RUNS", if quick { 1 } else { 3 }) as usize,
@@ -119,10 +119,8 @@ struct Workload {
 
 impl Workload {
     fn new(opts: &Opts) -> Workload {
-        let trace = opts
-            .trace
-            .as_ref()
-            .and_then(|p| std::fs::read_to_string(p).ok())
+        let trace = std::fs::read_to_string(&opts.trace)
+            .ok()
             .map(|text| {
                 text.lines()
                     .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())

@@ -1,4 +1,4 @@
-//! Capture playback: the `pub` lines of a fixtures capture (`shared/fixtures/*.jsonl`), per
+//! Capture playback: the `pub` lines of a fixtures capture (`testdata/fixtures/*.jsonl`), per
 //! rank, as fast as possible or at the recorded pace.
 //!
 //! Payloads and topics are sent exactly as recorded; the seq is the mock's own (0 per

@@ -1,9 +1,8 @@
-//! The captures and golden streams of `shared/fixtures/` as the end-to-end tests use them: each
+//! The captures and golden streams of `testdata/fixtures/` as the end-to-end tests use them: each
 //! with its manifest, the live blocks the manifest expects keyed as the relay keys them (with
 //! the relay's hybrid policy), the engine's hash settings, and playback through the mock engine.
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 
 use kv_relay::live::LiveKey;
@@ -44,24 +43,8 @@ pub const HASH_CHECK_FIGURES: &[(&str, &[CheckFigures])] = &[
 /// One rank's hash check: blocks (checked, mismatched, skipped).
 pub type CheckFigures = (u64, u64, u64);
 
-/// The fixtures directory: `KV_RELAY_FIXTURES`, else `shared/fixtures` beside the workspace.
-pub fn dir() -> PathBuf {
-    let dir = std::env::var_os("KV_RELAY_FIXTURES")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures"));
-    assert!(dir.is_dir(), "fixtures not found at {} (set KV_RELAY_FIXTURES)", dir.display());
-    dir
-}
-
 /// Every fixture's name, from the directory itself (so none can be skipped), sorted.
-pub fn names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir())
-        .unwrap()
-        .filter_map(|e| e.unwrap().file_name().into_string().unwrap().strip_suffix(".manifest.json").map(str::to_owned))
-        .collect();
-    names.sort();
-    names
-}
+pub use kv_relay_testdata::names;
 
 /// One capture or golden stream with its manifest.
 pub struct Fixture {
@@ -135,10 +118,9 @@ fn token_ids(v: &Value) -> Vec<u64> {
 
 impl Fixture {
     pub fn load(name: &str) -> Fixture {
-        let d = dir();
         let manifest =
-            serde_json::from_str(&std::fs::read_to_string(d.join(format!("{name}.manifest.json"))).unwrap()).unwrap();
-        let lines = read_capture(&d.join(format!("{name}.jsonl"))).unwrap();
+            serde_json::from_str(&std::fs::read_to_string(kv_relay_testdata::manifest(name)).unwrap()).unwrap();
+        let lines = read_capture(&kv_relay_testdata::capture(name)).unwrap();
         Fixture { name: name.to_string(), manifest, lines }
     }
 

@@ -78,7 +78,7 @@ pub fn sglang_event_hash(d: &Digest32) -> i64 {
 mod tests {
     use super::*;
 
-    // Test vectors from specs/engine-wire-formats.md, sections 3 and 4.2.
+    // Test vectors from docs/engine-wire-formats.md, sections 3 and 4.2.
     #[test]
     fn vllm_sha256_cbor_matches_spec_vectors() {
         let t0: Vec<u64> = (1..=16).collect();

@@ -12,7 +12,7 @@
 //! - [`publisher`]: one DP rank's PUB + replay ROUTER thread, and its wire-level faults.
 //! - [`engine`]: the mock engine: ranks, truth, load, faults, generated requests.
 //! - [`generate`]: the traffic loop (rate, clears, load gauges) over a request source.
-//! - [`capture`]: playback of recorded captures (`shared/fixtures/*.jsonl`).
+//! - [`capture`]: playback of recorded captures (`testdata/fixtures/*.jsonl`).
 //! - [`fixtures`]: the fixtures with their manifests: expected live blocks, hash settings, playback.
 //! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).

@@ -1,5 +1,5 @@
 //! Wire encoders: the engine-side event model and its msgpack payload for every layout of
-//! `specs/engine-wire-formats.md`, byte for byte as msgspec writes them.
+//! `docs/engine-wire-formats.md`, byte for byte as msgspec writes them.
 //!
 //! Pure functions over values: no sockets, no clocks.
 //!

@@ -160,8 +160,7 @@ fn binary_prints_endpoints_generates_obeys_commands_and_reports_its_truth() {
 
 #[test]
 fn binary_plays_a_capture_and_exits_when_done() {
-    let fixtures = std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures");
-    let capture = fixtures.join("sglang-dp2.jsonl");
+    let capture = kv_relay_testdata::capture("sglang-dp2");
     let args: Vec<String> = [
         "--engine",
         "sglang",
@@ -188,8 +187,7 @@ fn binary_plays_a_capture_and_exits_when_done() {
 
 #[test]
 fn binary_generates_from_a_mooncake_trace() {
-    let trace =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/data/mooncake/synthetic_trace.jsonl");
+    let trace = kv_relay_testdata::mooncake("synthetic_trace.jsonl");
     let args: Vec<String> = [
         "--endpoint",
         "tcp://127.0.0.1:0",

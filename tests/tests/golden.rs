@@ -17,10 +17,6 @@ use kv_relay_testkit::wire::{
 use rmpv::Value;
 use serde_json::Value as Json;
 
-fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/fixtures")
-}
-
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -131,15 +127,11 @@ fn event_from(e: &Json) -> EngineEvent {
 
 #[test]
 fn every_golden_batch_reencodes_byte_for_byte() {
-    let mut manifests: Vec<PathBuf> = std::fs::read_dir(fixtures_dir())
-        .expect("fixtures directory")
-        .map(|e| e.expect("dir entry").path())
-        .filter(|p| {
-            let name = p.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            name.starts_with("golden-") && name.ends_with(".manifest.json")
-        })
+    let manifests: Vec<PathBuf> = kv_relay_testdata::names()
+        .iter()
+        .filter(|n| n.starts_with("golden-"))
+        .map(|n| kv_relay_testdata::manifest(n))
         .collect();
-    manifests.sort();
     // 12 golden manifests are listed in the fixtures README; none may go unchecked.
     assert_eq!(manifests.len(), 12, "golden manifests found: {manifests:?}");
 

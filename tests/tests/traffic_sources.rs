@@ -1,7 +1,6 @@
 //! Traffic sources: captures played through the mock engine, Mooncake traces and the
 //! generator loop.
 
-use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 use std::time::{Duration, Instant};
 
@@ -17,12 +16,8 @@ use serde_json::Value as Json;
 
 const T: Duration = Duration::from_secs(3);
 
-fn shared() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared")
-}
-
 fn manifest(name: &str) -> Json {
-    let p = shared().join(format!("fixtures/{name}.manifest.json"));
+    let p = kv_relay_testdata::manifest(name);
     serde_json::from_slice(&std::fs::read(p).expect("manifest")).expect("json")
 }
 
@@ -37,27 +32,15 @@ fn engine_for(engine: Engine, dp: u32, f: impl FnOnce(&mut EngineConfig)) -> Moc
     MockEngine::start(cfg).expect("engine starts")
 }
 
-fn capture_names() -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(shared().join("fixtures"))
-        .expect("fixtures")
-        .filter_map(|e| {
-            let name = e.ok()?.file_name().into_string().ok()?;
-            name.strip_suffix(".jsonl").map(str::to_string)
-        })
-        .collect();
-    names.sort();
-    names
-}
-
 #[test]
 fn every_capture_played_leaves_the_truth_equal_to_its_manifest() {
-    let names = capture_names();
+    let names = kv_relay_testdata::names();
     // 10 real captures and 12 goldens (fixtures README).
     assert_eq!(names.len(), 22, "{names:?}");
     let stop = AtomicBool::new(false);
     for name in &names {
         let m = manifest(name);
-        let lines = read_capture(&shared().join(format!("fixtures/{name}.jsonl"))).unwrap();
+        let lines = read_capture(&kv_relay_testdata::capture(name)).unwrap();
         let kind = if m["engine"].as_str().unwrap().starts_with("sglang") { Engine::Sglang } else { Engine::Vllm };
         let engine = engine_for(kind, ranks_needed(&lines), |_| {});
         let report = play(&engine, &lines, false, &stop).unwrap();
@@ -75,7 +58,7 @@ fn every_capture_played_leaves_the_truth_equal_to_its_manifest() {
 
 #[test]
 fn played_capture_reaches_subscribers_byte_identical_per_rank() {
-    let lines = read_capture(&shared().join("fixtures/vllm-dp2.jsonl")).unwrap();
+    let lines = read_capture(&kv_relay_testdata::capture("vllm-dp2")).unwrap();
     let engine = engine_for(Engine::Vllm, 2, |_| {});
     let ctx = zmq::Context::new();
     let subs: Vec<Sub> = (0..2)
@@ -102,7 +85,7 @@ fn played_capture_reaches_subscribers_byte_identical_per_rank() {
 
 #[test]
 fn played_restart_capture_restarts_the_rank_and_replays_only_the_new_engine() {
-    let lines = read_capture(&shared().join("fixtures/vllm-restart.jsonl")).unwrap();
+    let lines = read_capture(&kv_relay_testdata::capture("vllm-restart")).unwrap();
     let engine = engine_for(Engine::Vllm, 1, |_| {});
     let report = play(&engine, &lines, false, &AtomicBool::new(false)).unwrap();
     assert_eq!((report.batches, report.restarts), (44, 1));
@@ -116,7 +99,7 @@ fn played_restart_capture_restarts_the_rank_and_replays_only_the_new_engine() {
 
 #[test]
 fn mooncake_ids_become_chained_blocks_that_share_prefixes() {
-    let path = shared().join("data/mooncake/conversation_trace.jsonl");
+    let path = kv_relay_testdata::mooncake("conversation_trace.jsonl");
     let mut src = MooncakeSource::open(&path, 16).unwrap();
     assert_eq!(src.len(), 12_031);
     let engine = engine_for(Engine::Vllm, 1, |c| {
@@ -157,7 +140,7 @@ fn mooncake_ids_become_chained_blocks_that_share_prefixes() {
 
 #[test]
 fn generated_mooncake_run_matches_the_walk_and_the_caches() {
-    let path = shared().join("data/mooncake/synthetic_trace.jsonl");
+    let path = kv_relay_testdata::mooncake("synthetic_trace.jsonl");
     let mut src = MooncakeSource::open(&path, 8).unwrap();
     let engine = engine_for(Engine::Sglang, 2, |c| {
         c.block_size = 8;
@@ -205,7 +188,7 @@ fn generator_keeps_its_rate() {
 #[test]
 fn paced_playback_keeps_the_recorded_gaps() {
     // Three pub lines 0.15 s apart, built from the first golden payloads.
-    let src = read_capture(&shared().join("fixtures/golden-vllm-0.9.1.jsonl")).unwrap();
+    let src = read_capture(&kv_relay_testdata::capture("golden-vllm-0.9.1")).unwrap();
     let mut lines: Vec<_> = src.into_iter().filter(|l| l.socket == "pub").take(3).collect();
     for (i, l) in lines.iter_mut().enumerate() {
         l.t = 10.0 + 0.15 * i as f64;

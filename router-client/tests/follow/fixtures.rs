@@ -1,4 +1,4 @@
-//! Every capture and golden stream of `shared/fixtures`, played by the mock engine into the full
+//! Every capture and golden stream of `testdata/fixtures`, played by the mock engine into the full
 //! relay daemon (with its hash check on where the engine's hash settings are known), followed
 //! by a `Follower` over gRPC: the follower's index holds, per worker and tier, exactly the
 //! manifest's expected blocks with their copies (under the relay's hybrid policy), every

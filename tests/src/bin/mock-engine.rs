@@ -54,7 +54,7 @@ struct Args {
     metrics_listen: Option<SocketAddr>,
     #[arg(long, default_value = "mock-model")]
     model_name: String,
-    /// Play the pub lines of a capture file (shared/fixtures/*.jsonl).
+    /// Play the pub lines of a capture file (testdata/fixtures/*.jsonl).
     #[arg(long, conflicts_with = "generate")]
     play: Option<PathBuf>,
     /// With --play: keep the recorded pace (default: as fast as possible).
