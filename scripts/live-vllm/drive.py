@@ -155,10 +155,12 @@ class Truth:
                 self.errors.append(f"recorder {key}: unknown event {ev}")
 
     def wait_quiet(self, quiet, limit=30.0):
-        end = time.monotonic() + limit
+        """Returns once nothing new was recorded for `quiet` seconds from now."""
+        start = time.monotonic()
+        end = start + limit
         while time.monotonic() < end:
             self.poll()
-            if time.monotonic() - self.last_change >= quiet:
+            if time.monotonic() - max(start, self.last_change) >= quiet:
                 return
             time.sleep(0.02)
         raise RunError(f"the engines did not go quiet within {limit:.0f} s")
@@ -277,6 +279,7 @@ class Fleet:
             if name in self.down:
                 continue
             while True:
+                self.truth.poll()
                 st = relay.status()
                 seqs = {r["dp_rank"]: r["last_engine_seq"] for r in st["ranks"]}
                 want = {rank: seq for (src, rank), seq in self.truth.last_seq.items() if src == name}
@@ -418,6 +421,7 @@ class Fleet:
             sent[chosen] += 1
             stats["prompt_tokens"] += len(tokens)
             stats["cached_tokens"] += cached
+            stats[f"cached_{chosen[0]}"] += cached
             stats["requests"] += 1
             # The engine's truth for the chosen worker at routing time, capped by vLLM's rule.
             truth_cached = min(truth_m[chosen], cap) * self.bs
@@ -440,6 +444,7 @@ class Fleet:
                 predicted = min(router_m[chosen], cap) * self.bs
                 kind = "outage" if chosen in outage else ("B" if chosen[0] == "B" else "A")
                 stats[f"predicted_{kind}"] += 1
+                stats[f"predicted_tokens_{kind}"] += predicted
                 if predicted == cached:
                     stats[f"predicted_ok_{kind}"] += 1
                     if router_m[chosen] > cap:
@@ -476,6 +481,12 @@ def make_prompts(seed, n, families, block_size, max_len):
     convs = [[] for _ in range(families)]
     prompts = []
     for i in range(n):
+        whole = [p for p in prompts if len(p) % block_size == 0]
+        if prompts and rng.random() < 1 / 8:
+            # A verbatim repeat (a retry), of a whole-block prompt when there is one: its every
+            # block is cached, and vLLM still computes the last one.
+            prompts.append(list(rng.choice(whole or prompts)))
+            continue
         f = rng.randrange(families)
         turn = [rng.choice(vocab) for _ in range(rng.randrange(10, 90))]
         if convs[f] and rng.random() < 0.6:
@@ -552,12 +563,26 @@ def main():
         ("during", k[2]): kill("A"),
         ("before", k[3]): restart("A"),
     }
+    hc_before = fleet.hash_check_counts()
     log(f"phase crash: {n} requests routed; relay B killed during request {k[0]}, restarted before {k[1]}; "
         f"relay A killed during {k[2]}, restarted before {k[3]}")
     stats, _ = fleet.run_phase("crash", prompts, events)
     results["crash"] = stats
     fleet.compare_relays("after the crashes")
-    hc = fleet.hash_check_counts()
+    hc_after = fleet.hash_check_counts()
+    for name, relay in fleet.relays.items():
+        c = relay.status()["counters"]
+        refilled = ", ".join(f"rank {r}: {c.get(f'rank{r}.refilled_batches', 0)}" for r in range(args.dp_a if name == "A" else 1))
+        log(f"  (d) relay {name} after its restart: batches refilled from the engine's replay socket ({refilled})")
+    metrics = urllib.request.urlopen(fleet.router + "/metrics", timeout=10).read().decode()
+    picked = {}
+    for line in metrics.splitlines():
+        for k in ("kv_router_reconnects_total", "kv_router_snapshots_total", "kv_router_gaps_total", "kv_router_duplicates_total", "kv_router_index_missing_removes_total"):
+            if line.startswith(k + " "):
+                picked[k.removeprefix("kv_router_")] = int(float(line.split()[1]))
+    log("  (d) kv-router: " + ", ".join(f"{k} {v}" for k, v in picked.items()))
+    if picked.get("index_missing_removes_total"):
+        fleet.fail(f"kv-router's index met {picked['index_missing_removes_total']} removes of blocks it did not hold")
 
     # Summary
     log("")
@@ -572,17 +597,19 @@ def main():
     for policy in ("routed", "crash"):
         s = results[policy]
         log(
-            f"  (b) {policy}: prediction == cached_tokens on engine B {s['predicted_ok_B']}/{s['predicted_B']}, "
-            f"engine A {s['predicted_ok_A']}/{s['predicted_A']} "
-            f"({s['last_block_rule']} capped by the last-block rule); router == recorder on "
-            f"{s['router_compared']} (request, worker) pairs"
-            + (f"; {s['predicted_ok_outage']}/{s['predicted_outage']} right while its relay was down (not required)"
-               if s["predicted_outage"] else "")
+            f"  (b) {policy}: predicted == cached_tokens for {s['predicted_ok_B']}/{s['predicted_B']} requests to "
+            f"engine B ({s['predicted_tokens_B']} tokens predicted, {s['cached_B']} cached) and "
+            f"{s['predicted_ok_A']}/{s['predicted_A']} to engine A; {s['last_block_rule']} capped by the "
+            f"last-block rule; kv-router's matched blocks == the recorder's on {s['router_compared']} "
+            f"(request, worker) pairs"
+            + (f"; {s['predicted_ok_outage']}/{s['predicted_outage']} right while the worker's relay was down "
+               f"(not required)" if s["predicted_outage"] else "")
         )
-    for (name, rank), (checked, mism, skipped) in sorted(hc.items()):
-        log(f"  relay {name} rank {rank} hash check: {checked} blocks checked, {mism} mismatched, {skipped} skipped")
-        if mism:
-            fleet.fail(f"relay {name} rank {rank}: {mism} block hashes differ from the relay's own hashing")
+    for label, hc in (("before the crashes", hc_before), ("after the restarts", hc_after)):
+        for (name, rank), (checked, mism, skipped) in sorted(hc.items()):
+            log(f"  relay {name} rank {rank} hash check {label}: {checked} blocks re-hashed, {mism} mismatched, {skipped} skipped")
+            if mism:
+                fleet.fail(f"relay {name} rank {rank}: {mism} engine block hashes differ from kv-relay's hashing")
     r, rr, o = (results[p]["cached_tokens"] for p in ("routed", "round-robin", "oracle"))
     if r < rr:
         fleet.fail(f"(c) routed traffic cached {r} tokens, fewer than round-robin's {rr}")
