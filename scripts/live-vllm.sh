@@ -109,6 +109,7 @@ start() { # NAME COMMAND...: in its own session, output to RUN/NAME.log
   local name=$1; shift
   setsid "$@" >"$RUN/$name.log" 2>&1 < /dev/null &
   echo $! >"$RUN/$name.pid"
+  disown $!  # the trap stops it; bash need not report it (the driver kills relays on purpose)
 }
 
 alive_or_die() { # NAME

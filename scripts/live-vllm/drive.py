@@ -421,7 +421,6 @@ class Fleet:
             sent[chosen] += 1
             stats["prompt_tokens"] += len(tokens)
             stats["cached_tokens"] += cached
-            stats[f"cached_{chosen[0]}"] += cached
             stats["requests"] += 1
             # The engine's truth for the chosen worker at routing time, capped by vLLM's rule.
             truth_cached = min(truth_m[chosen], cap) * self.bs
@@ -445,6 +444,7 @@ class Fleet:
                 kind = "outage" if chosen in outage else ("B" if chosen[0] == "B" else "A")
                 stats[f"predicted_{kind}"] += 1
                 stats[f"predicted_tokens_{kind}"] += predicted
+                stats[f"cached_{kind}"] += cached
                 if predicted == cached:
                     stats[f"predicted_ok_{kind}"] += 1
                     if router_m[chosen] > cap:
