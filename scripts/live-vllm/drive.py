@@ -25,6 +25,7 @@ summary), 2 on a failure to run.
 
 import argparse
 import collections
+import concurrent.futures
 import json
 import os
 import random
@@ -385,23 +386,23 @@ class Fleet:
         engine, rank = worker
         headers = {"X-data-parallel-rank": str(rank)} if engine == "A" else {}
         body = {"model": self.args.model_name, "prompt": tokens, "max_tokens": 1, "temperature": 0.0}
+        url = self.engines[engine] + "/v1/completions"
         if on_sent is None:
-            r = http("POST", self.engines[engine] + "/v1/completions", body, headers)
+            r = http("POST", url, body, headers)
         else:
-            # kill -9 a relay while this request is in flight
-            import threading
-
-            box = {}
-            t = threading.Thread(target=lambda: box.update(r=http("POST", self.engines[engine] + "/v1/completions", body, headers)))
-            t.start()
-            on_sent()
-            t.join()
-            r = box["r"]
+            # Something to do (kill -9 a relay) while this request is in flight.
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                fut = pool.submit(http, "POST", url, body, headers)
+                on_sent()
+                r = fut.result()
         usage = r["usage"]
-        details = usage.get("prompt_tokens_details") or {}
         if usage["prompt_tokens"] != len(tokens):
             self.fail(f"the engine counted {usage['prompt_tokens']} prompt tokens for a prompt of {len(tokens)}")
-        return details.get("cached_tokens") or 0
+        details = usage.get("prompt_tokens_details")
+        if details is None or details.get("cached_tokens") is None:
+            raise RunError(f"engine {engine} reports no usage.prompt_tokens_details.cached_tokens "
+                           "(is it run with --enable-prompt-tokens-details?)")
+        return details["cached_tokens"]
 
     def run_phase(self, policy, prompts, events=None):
         events = events or {}
@@ -515,7 +516,7 @@ def main():
     ap.add_argument("--hash-seed", default=os.environ.get("PYTHONHASHSEED"))
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--requests", type=int, default=36)
-    ap.add_argument("--families", type=int, default=4)
+    ap.add_argument("--families", type=int, default=6)
     ap.add_argument("--max-len", type=int, default=440)
     ap.add_argument("--quiet", type=float, default=0.25, help="seconds without a KV event that count as settled")
     args = ap.parse_args()
