@@ -270,38 +270,37 @@ class Fleet:
         self.failures.append(msg)
         print(f"DIFFERENCE: {msg}", file=sys.stderr, flush=True)
 
-    # Settling: the engines quiet, every relay holding the recorder's last seq of each rank, the
-    # router holding every relay's newest cursor.
+    # Settling: the engines quiet, every relay holding the recorder's last seq of each rank, and
+    # the router holding every relay's newest cursor, all read again on each try (a relay that
+    # has just restarted is still refilling from the replay socket).
     def settle(self, limit=60.0):
         self.truth.wait_quiet(self.args.quiet)
         end = time.monotonic() + limit
-        newest = {}
-        for name, relay in self.relays.items():
-            if name in self.down:
-                continue
-            while True:
-                self.truth.poll()
+        while True:
+            self.truth.poll()
+            newest, behind = {}, []
+            for name, relay in self.relays.items():
+                if name in self.down:
+                    continue
                 st = relay.status()
                 seqs = {r["dp_rank"]: r["last_engine_seq"] for r in st["ranks"]}
                 want = {rank: seq for (src, rank), seq in self.truth.last_seq.items() if src == name}
                 for rank, seq in want.items():
                     if seqs.get(rank) != seq:
-                        # After a restart the status shows only batches committed since; the
-                        # history has the rank's newest committed batch either way.
+                        # A restarted relay's status shows 0 until a batch commits; its history
+                        # has the rank's newest committed batch either way.
                         seqs[rank] = relay.newest_engine_seq(rank)
-                if all(seqs.get(rank) == seq for rank, seq in want.items()):
-                    newest[relay.url] = st["newest_cursor"]
-                    break
-                if time.monotonic() > end:
-                    raise RunError(f"relay {name} did not reach the engine's seqs {want} within {limit:.0f} s (it has {seqs})")
-                time.sleep(0.05)
-        while True:
-            w = http("GET", self.router + "/workers")
-            have = {r["url"]: (r["connected"], r["cursor"]) for r in w["relays"]}
-            if all(have.get(url) == (True, c) for url, c in newest.items()):
-                return w
+                if any(seqs.get(rank) != seq for rank, seq in want.items()):
+                    behind.append(f"relay {name} has engine seqs {seqs}, the recorder {want}")
+                newest[relay.url] = st["newest_cursor"]
+            if not behind:
+                w = http("GET", self.router + "/workers")
+                have = {r["url"]: (r["connected"], r["cursor"]) for r in w["relays"]}
+                if all(have.get(url) == (True, c) for url, c in newest.items()):
+                    return w
+                behind.append(f"kv-router has (connected, cursor) {have}, the relays' newest cursors are {newest}")
             if time.monotonic() > end:
-                raise RunError(f"kv-router did not reach the relays' cursors {newest} within {limit:.0f} s (it has {have})")
+                raise RunError(f"not settled within {limit:.0f} s: " + "; ".join(behind))
             time.sleep(0.05)
 
     def reset_caches(self):
