@@ -17,10 +17,12 @@
 #
 # It installs what it needs: scripts/real-engine/install.sh puts vLLM 0.32 (CPU) and the model
 # into LIVE_VLLM_ENGINE_DIR (default: ../real-engine beside the checkout; ~6 GB, ~5 minutes the
-# first time), and cargo builds the release binaries. Everything binds 127.0.0.1 only, on ports
-# LIVE_VLLM_PORT_BASE (18100) to +60. Every process it starts is stopped on exit (trap). Logs and
-# the recorder's capture stay in the run directory it prints when the run fails (or with
-# LIVE_VLLM_KEEP=1).
+# first time), and cargo builds the release binaries. Run as root, the fleet runs in a network
+# namespace of its own with loopback only, so every socket is on 127.0.0.1 (ports
+# LIVE_VLLM_PORT_BASE, 18100, to +60); otherwise the engines' KV-event PUB sockets bind every
+# interface (vLLM binds them only for tcp://*:PORT). Every process it starts is stopped on exit
+# (trap). Logs and the recorder's capture stay in the run directory it prints when the run fails
+# (or with LIVE_VLLM_KEEP=1); LIVE_VLLM_HOLD=1 keeps the fleet up after the checks.
 #
 # Settings (environment): LIVE_VLLM_SEED (29) and LIVE_VLLM_REQUESTS (36 per phase) for the
 # prompts; LIVE_VLLM_HASH_SEED (0: the engines' PYTHONHASHSEED); LIVE_VLLM_BLOCKS (24 KV blocks
