@@ -145,7 +145,8 @@ fn main() {
     std::fs::remove_dir_all(root.path().join("peer")).unwrap();
 
     let dir = root.path().join("store");
-    let store = Store::open(StoreConfig::new(&dir)).unwrap();
+    let store_cfg = StoreConfig::new(&dir);
+    let store = Store::open(store_cfg.clone()).unwrap();
     let start = Instant::now();
     for i in 0..fill {
         store.commit(fill_batch(i)).unwrap();
@@ -226,7 +227,7 @@ fn main() {
     let hist = store.history_stats();
     drop(store);
     let start = Instant::now();
-    let store = Store::open(StoreConfig::new(&dir)).unwrap();
+    let store = Store::open(store_cfg).unwrap();
     let reopen = start.elapsed();
     assert_eq!(store.live_stats(), live);
     assert_eq!(store.checkpoint_state().map(|c| c.cursor), Some(ckpt.cursor));

@@ -346,7 +346,7 @@ fn token_layout_to_pb(l: TokenLayout) -> pb::TokenLayout {
     }
 }
 
-pub fn snapshot_block_to_pb(b: &SnapshotBlock) -> pb::SnapshotBlock {
+pub fn snapshot_block_to_pb(b: SnapshotBlock) -> pb::SnapshotBlock {
     let (tier, tier_name) = tier_to_pb(&b.tier);
     pb::SnapshotBlock {
         dp_rank: b.dp_rank,
@@ -358,7 +358,7 @@ pub fn snapshot_block_to_pb(b: &SnapshotBlock) -> pb::SnapshotBlock {
         block_size: b.block_size,
         namespace: Some(namespace_to_pb(&b.namespace)),
         copies: b.copies,
-        token_ids: b.token_ids.clone(),
+        token_ids: b.token_ids,
         token_layout: token_layout_to_pb(b.token_layout) as i32,
     }
 }
@@ -495,6 +495,6 @@ mod tests {
             token_ids: vec![1, 2, 3],
             token_layout: TokenLayout::Bigram,
         };
-        assert_eq!(snapshot_block_from_pb(&snapshot_block_to_pb(&b)).unwrap(), b);
+        assert_eq!(snapshot_block_from_pb(&snapshot_block_to_pb(b.clone())).unwrap(), b);
     }
 }

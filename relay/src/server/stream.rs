@@ -77,7 +77,7 @@ pub(crate) enum SnapPart {
 }
 
 /// Streams a snapshot (begin, chunks, end) and returns its cursor. Holds one chunk at a time;
-/// the spill file is read on the blocking pool, one chunk per trip.
+/// chunks are copied from the live set on the blocking pool, one per trip.
 pub(crate) async fn send_snapshot<T>(
     store: &Store,
     filter: SnapshotFilter,
@@ -127,7 +127,7 @@ pub(crate) async fn send_snapshot<T>(
             None => break,
             Some(Ok(blocks)) => {
                 sent += blocks.len() as u64;
-                let chunk = pb::SnapshotChunk { blocks: blocks.iter().map(snapshot_block_to_pb).collect() };
+                let chunk = pb::SnapshotChunk { blocks: blocks.into_iter().map(snapshot_block_to_pb).collect() };
                 send(tx, Ok(wrap(SnapPart::Chunk(chunk)))).await?;
             }
             Some(Err(e)) => {

@@ -118,7 +118,7 @@ pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sl
     // Checkpoint 1 at the newest cursor, written and made durable before anything else changes.
     let live = Arc::new(Mutex::new(live));
     let snap = Snapshot::open(&live, &SnapshotFilter::all(), 0, 0);
-    let m = checkpoint::write(snap, 1, &mut |k, v| data.insert(k, v).map(|_| ()).map_err(sl))?;
+    let m = checkpoint::write(snap, &checkpoint::folder(dir), 1, &|| false)?;
     let mut batch = sled::Batch::default();
     let kept_from = if oldest == 0 { 0 } else { oldest };
     batch.insert(&[codec::P_COUNTERS], Counters { newest, oldest, hist_batches, hist_bytes, kept_from }.encode());

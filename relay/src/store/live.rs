@@ -336,8 +336,8 @@ pub(crate) struct Journal {
     /// The next (table, shard) to copy.
     next: (usize, usize),
     /// Blocks of uncopied shards as they were at the cursor (`None`: not there), by (table,
-    /// shard, hash).
-    pre: BTreeMap<(usize, usize, u64), Option<SnapshotBlock>>,
+    /// shard, hash). Boxed: most are `None` (blocks stored after the cursor), 32 bytes each.
+    pre: BTreeMap<(usize, usize, u64), Option<Box<SnapshotBlock>>>,
     /// Tables cleared before they were copied whole, as they were when cleared.
     stash: HashMap<usize, Table>,
 }
@@ -355,7 +355,7 @@ impl Journal {
             return;
         }
         if let std::collections::btree_map::Entry::Vacant(v) = self.pre.entry((i, s, hash)) {
-            v.insert(table.and_then(|t| t.shards[s].get(&hash).map(|e| t.block(key, hash, e, self.tokens))));
+            v.insert(table.and_then(|t| t.shards[s].get(&hash).map(|e| Box::new(t.block(key, hash, e, self.tokens)))));
         }
     }
 
@@ -367,21 +367,29 @@ impl Journal {
     fn copy_next(&mut self, set: &BTreeMap<TableKey, Table>, out: &mut Vec<SnapshotBlock>) -> usize {
         let (i, s) = self.next;
         let key = &self.tables[i];
-        let start = out.len();
-        let mut read = 0;
+        let rest = self.pre.split_off(&(i, s + 1, 0));
+        // This shard's pre-images, in hash order (the map's order).
+        let mine = std::mem::replace(&mut self.pre, rest);
+        let mut read = mine.len();
+        let mut pre = mine.into_iter().map(|((_, _, h), b)| (h, b)).peekable();
         if let Some(t) = self.stash.get(&i).or_else(|| set.get(key)) {
-            read = t.shards[s].len();
-            for (h, e) in &t.shards[s] {
-                if !self.pre.contains_key(&(i, s, *h)) {
-                    out.push(t.block(key, *h, e, self.tokens));
+            read += t.shards[s].len();
+            // Sorted as (hash, entry) pairs, then built in order: cheaper than sorting blocks.
+            let mut now: Vec<(u64, &Entry)> = t.shards[s].iter().map(|(h, e)| (*h, e)).collect();
+            now.sort_unstable_by_key(|(h, _)| *h);
+            out.reserve(now.len());
+            for (h, e) in now {
+                while let Some((_, b)) = pre.next_if(|(ph, _)| *ph < h) {
+                    out.extend(b.map(|b| *b));
+                }
+                match pre.next_if(|(ph, _)| *ph == h) {
+                    // Changed since the cursor: as it was then.
+                    Some((_, b)) => out.extend(b.map(|b| *b)),
+                    None => out.push(t.block(key, h, e, self.tokens)),
                 }
             }
         }
-        let rest = self.pre.split_off(&(i, s + 1, 0));
-        let mine = std::mem::replace(&mut self.pre, rest);
-        read += mine.len();
-        out.extend(mine.into_values().flatten());
-        out[start..].sort_unstable_by_key(|b| b.hash);
+        out.extend(pre.filter_map(|(_, b)| b.map(|b| *b)));
         self.next = if s + 1 == SHARDS {
             self.stash.remove(&i);
             (i + 1, 0)

@@ -488,7 +488,8 @@ impl Store {
             );
         }
         // The live set: the newest whole checkpoint, then the log after it.
-        let (manifest, mut live) = match checkpoint::load_newest(&data, &dir, counters.newest)? {
+        let ckpt_dir = checkpoint::folder(&dir);
+        let (manifest, mut live) = match checkpoint::load_newest(&ckpt_dir, counters.newest)? {
             Some((m, live)) => (Some(m), live),
             None => (None, Live::default()),
         };
@@ -539,21 +540,17 @@ impl Store {
         live.cursor = counters.newest;
         // Checkpoints other than the one loaded: older ones, and any a crash left half written.
         let mut next_id = manifest.as_ref().map_or(1, |m| m.id + 1);
-        let mut stale = Vec::new();
-        for p in [checkpoint::P_CHUNK, checkpoint::P_MANIFEST] {
-            for k in data.scan_prefix([p]).keys() {
-                let k = k.map_err(sl)?;
-                let id = k.get(1..9).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes).unwrap_or(0);
+        if let Ok((ids, other)) = checkpoint::list(&ckpt_dir) {
+            let io = |e| StoreError::io("remove a stale checkpoint", &ckpt_dir, e);
+            for id in ids {
                 next_id = next_id.max(id + 1);
                 if manifest.as_ref().is_none_or(|m| m.id != id) {
-                    stale.push(k);
+                    checkpoint::remove(&ckpt_dir, id).map_err(io)?;
                 }
             }
-        }
-        for keys in stale.chunks(4096) {
-            let mut b = sled::Batch::default();
-            keys.iter().for_each(|k| b.remove(k.clone()));
-            data.apply_batch(b).map_err(sl)?;
+            for f in other {
+                std::fs::remove_file(&f).map_err(io)?;
+            }
         }
         let writer = Arc::new(Mutex::new(Writer {
             counters,
@@ -1033,35 +1030,24 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
         (snap, id)
     };
     let pause = snap.pause;
-    // Chunks are written beside commits, not through the commit lock: they are not kept for a
-    // redo (a checkpoint counts only once it reads back whole).
-    let fail = |e: sled::Error| {
+    let folder = checkpoint::folder(dir);
+    let m = checkpoint::write(snap, &folder, id, &|| sh.closing.load(Ordering::Relaxed))?;
+    // The log up to the checkpoint's cursor durable too: then it counts.
+    if let Err(e) = sh.db.flush() {
         let e = StoreError::sled("checkpoint", dir, e);
         sh.writer.lock().unwrap_or_else(|p| p.into_inner()).mark_failed(dir, &e);
-        e
-    };
-    let m = checkpoint::write(snap, id, &mut |k, v| {
-        if sh.closing.load(Ordering::Relaxed) {
-            return Err(StoreError::Invalid { what: "checkpoint", detail: "the store is closing".into() });
-        }
-        sh.writer.lock().unwrap_or_else(|p| p.into_inner()).usable("checkpoint", dir)?;
-        sh.data.insert(k, v).map(|_| ()).map_err(fail)
-    })?;
-    sh.db.flush().map_err(fail)?;
+        return Err(e);
+    }
     // Durable: the previous checkpoint and the log this one covers may go.
     let previous = {
         let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
         c.last.replace((m.id, m.cursor, m.bytes))
     };
-    {
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
-        w.floor = m.cursor;
-        if let Some((old, ..)) = previous {
-            let mut writes: Writes = vec![(checkpoint::manifest_key(old).into(), None)];
-            for k in sh.data.scan_prefix(checkpoint::chunk_key(old, 0).get(..9).expect("9 bytes")).keys() {
-                writes.push((k.map_err(|e| StoreError::sled("checkpoint", dir, e))?, None));
-            }
-            w.write(&sh.data, writes).map_err(|e| w.fail("checkpoint", dir, StoreError::sled("checkpoint", dir, e)))?;
+    sh.writer.lock().unwrap_or_else(|p| p.into_inner()).floor = m.cursor;
+    if let Some((old, ..)) = previous {
+        if let Err(e) = checkpoint::remove(&folder, old) {
+            // Harmless but for its space: the next open removes it.
+            count("checkpoint", StoreError::io("remove the previous checkpoint", &folder, e));
         }
     }
     loop {
