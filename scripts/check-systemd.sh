@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Checks the systemd unit systemd/kv-relay@.service:
+# Usage: scripts/check-systemd.sh [UNIT]
+#
+# Checks the systemd unit UNIT (default systemd/kv-relay@.service; scripts/check-package.sh
+# passes the unit the package installs):
 #   1. `systemd-analyze verify` passes on an instance of the template;
 #   2. `systemd-analyze security` rates it 2.0 or better (exposure, lower is better).
 #
@@ -8,16 +11,25 @@
 # KV_RELAY_REQUIRE_SYSTEMD=1 it fails instead. It never skips silently.
 #
 # ExecStart: `verify` checks that the binary exists and is executable, and the unit names the
-# installed path (/usr/local/bin/kv-relay). The check runs on a copy of the unit, in a temporary
-# directory, whose ExecStart points at a built kv-relay when there is one (KV_RELAY_BIN, else
-# target/release or target/debug), else at a stub script: the unit's directives, not the
-# binary, are what is checked. Everything else in the copy is the unit verbatim.
+# installed path (/usr/bin/kv-relay, where the package puts it). The check runs on a copy of the
+# unit, in a temporary directory, whose ExecStart points at a built kv-relay when there is one
+# (KV_RELAY_BIN, else target/release or target/debug), else at a stub script: the unit's
+# directives, not the binary, are what is checked. Everything else in the copy is the unit
+# verbatim. `verify` runs with --man=no: the unit's `Documentation=man:kv-relay(1)` is a page the
+# package installs, not one on the machine that checks (check-package.sh checks the page).
 set -euo pipefail
+unit=systemd/kv-relay@.service
+if [ $# -gt 1 ]; then
+    echo "usage: $0 [UNIT]" >&2
+    exit 2
+elif [ $# = 1 ]; then
+    [ -f "$1" ] || { echo "check-systemd: no unit file $1" >&2; exit 2; }
+    unit=$(realpath "$1")
+fi
 cd "$(dirname "$0")/.."
 
 max_exposure=2.0
-unit=systemd/kv-relay@.service
-installed_bin=/usr/local/bin/kv-relay
+installed_bin=/usr/bin/kv-relay
 
 skip() {
     echo "SKIPPED: systemd-analyze unavailable ($1)"
@@ -29,25 +41,10 @@ skip() {
 }
 
 if ! command -v systemd-analyze >/dev/null 2>&1; then
-    if ! command -v apt-get >/dev/null 2>&1; then
-        skip "not installed, and no apt-get to install it"
-    fi
-    sudo=()
-    if [ "$(id -u)" != 0 ]; then
-        if command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then
-            sudo=(sudo -n)
-        else
-            skip "not installed, and installing needs root"
-        fi
-    fi
-    echo "check-systemd: installing systemd (apt-get)"
-    log=$(mktemp)
-    if ! { "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get update -qq &&
-        "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends systemd; } \
-        >"$log" 2>&1; then
-        tail -n 5 "$log" >&2
-        skip "apt-get install systemd failed"
-    fi
+    # shellcheck source=scripts/apt-install.sh
+    . scripts/apt-install.sh
+    echo "check-systemd: systemd-analyze is missing"
+    apt_install systemd || skip "not installed, and $apt_why"
     command -v systemd-analyze >/dev/null 2>&1 || skip "installed systemd has no systemd-analyze"
 fi
 
@@ -80,7 +77,7 @@ sed "s#$installed_bin#$bin#g" "$unit" >"$work/kv-relay@.service"
 cp "$work/kv-relay@.service" "$work/kv-relay@ci.service"
 
 echo "== systemd-analyze verify ($(systemd-analyze --version | head -n1))"
-if ! out=$(systemd-analyze verify "$work/kv-relay@ci.service" 2>&1); then
+if ! out=$(systemd-analyze verify --man=no "$work/kv-relay@ci.service" 2>&1); then
     echo "$out"
     echo "FAIL: systemd-analyze verify" >&2
     exit 1

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The project's test command (the README's second quick-start command; CI runs it via .ci/run).
 # Everything it needs comes from crates.io (libzmq and protoc are built or vendored by crates);
-# scripts/check-systemd.sh installs systemd-analyze with apt-get when it is missing.
+# scripts/check-systemd.sh installs systemd-analyze with apt-get when it is missing, and
+# scripts/package.sh cargo-deb (cargo install --locked) and dpkg-dev (apt-get).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -54,3 +55,6 @@ disk
 
 step "systemd unit"
 ./scripts/check-systemd.sh
+
+step "packages, quick mode (the debug build packaged; contents, extracted binaries, unit, dpkg upgrade)"
+./scripts/check-package.sh --quick

@@ -1,6 +1,8 @@
 //! `relayctl status | history | snapshot`: a gRPC client of the relay, and the renderings of its
 //! answers: readable tables, and stable JSON (documented in `docs/relayctl.md`).
 
+pub mod cli;
+
 use crate::server::convert;
 use kv_relay_proto::pb;
 use pb::relay_client::RelayClient;

@@ -23,7 +23,8 @@
 //! - [`config_file`]: the TOML configuration file, the precedence of flags, environment, file and
 //!   defaults, and the effective configuration `check-config` prints.
 //! - [`daemon`]: `run(config, shutdown)`: ingest → commit → serve, as the binary and tests run it.
-//! - [`ctl`]: `relayctl`'s gRPC client and the renderings of its answers.
+//! - [`ctl`]: `relayctl`'s gRPC client and the renderings of its answers; [`ctl::cli`], its
+//!   command line.
 //! - [`notify`]: systemd's notify protocol: `READY=1`, watchdog pings, `STOPPING=1`.
 //! - [`capture`]: capture files (JSON Lines of recorded messages) and decoding them whole.
 //! - [`decode_cmd`]: `relayctl decode`: the table and JSON renderings of a decoded capture.

@@ -14,10 +14,12 @@
 //! - [`worker`]: what a router is told about a worker: load, freshness, state.
 //! - [`backoff`]: jittered exponential backoff.
 //! - [`http`]: the example router's HTTP API (`POST /match`, `GET /workers`, `GET /metrics`).
+//! - [`cli`]: the example router `kv-router`'s command line.
 //! - [`error`]: the client's error enums.
 
 pub mod admission;
 pub mod backoff;
+pub mod cli;
 pub mod error;
 pub mod follower;
 pub mod http;

@@ -2,98 +2,12 @@
 //! engine's wire (`decode`).
 
 use anyhow::Context as _;
-use clap::{Args, Parser, Subcommand};
+use clap::Parser as _;
+use kv_relay::ctl::cli::{Cli, Cmd};
 use kv_relay::ctl::{self, CtlError, SnapshotSummary, Target};
 use kv_relay_proto::pb;
 use std::io::{IsTerminal as _, Write as _};
-use std::path::PathBuf;
 use std::process::ExitCode;
-
-#[derive(Parser)]
-#[command(name = "relayctl", version, about = "Inspect a kv-relay, or decode an engine's KV-event wire")]
-struct Cli {
-    #[command(flatten)]
-    target: TargetArgs,
-    #[command(subcommand)]
-    cmd: Cmd,
-}
-
-#[derive(Args)]
-struct TargetArgs {
-    /// The relay's gRPC address; `HOST:PORT` means `http://HOST:PORT` (`https://` with `--tls-*`).
-    #[arg(long, global = true, env = "KV_RELAY_ADDR", default_value = "http://127.0.0.1:50051")]
-    relay: String,
-    /// Bearer token, when the relay requires one.
-    #[arg(long, global = true, env = "KV_RELAY_TOKEN", hide_env_values = true)]
-    token: Option<String>,
-    /// CA certificate (PEM) to verify the relay's TLS certificate (enables TLS).
-    #[arg(long, global = true, env = "KV_RELAY_TLS_CA")]
-    tls_ca: Option<PathBuf>,
-    /// Client certificate (PEM) for mutual TLS (with --tls-key).
-    #[arg(long, global = true, env = "KV_RELAY_TLS_CERT", requires = "tls_key")]
-    tls_cert: Option<PathBuf>,
-    /// Client key (PEM) for mutual TLS (with --tls-cert).
-    #[arg(long, global = true, env = "KV_RELAY_TLS_KEY", requires = "tls_cert")]
-    tls_key: Option<PathBuf>,
-    /// The name to verify in the relay's certificate.
-    #[arg(long, global = true, env = "KV_RELAY_TLS_DOMAIN")]
-    tls_domain: Option<String>,
-}
-
-#[derive(Subcommand)]
-enum Cmd {
-    /// The relay at a glance: epoch, engine, ranks and their state, cursors, history, counters.
-    Status {
-        #[arg(long)]
-        json: bool,
-    },
-    /// Committed batches and rank events (default: the newest 20).
-    History {
-        /// Only these DP ranks (repeatable).
-        #[arg(long)]
-        rank: Vec<u32>,
-        /// First cursor (inclusive).
-        #[arg(long)]
-        from: Option<u64>,
-        /// Last cursor (inclusive).
-        #[arg(long)]
-        to: Option<u64>,
-        /// At most this many records.
-        #[arg(long)]
-        limit: Option<u32>,
-        /// Keep following new records live (until interrupted).
-        #[arg(long, conflicts_with = "to")]
-        follow: bool,
-        /// One JSON object per record.
-        #[arg(long)]
-        json: bool,
-    },
-    /// The live blocks, summarized per rank, tier and group.
-    Snapshot {
-        /// List every block.
-        #[arg(long)]
-        blocks: bool,
-        /// Include each block's token ids.
-        #[arg(long)]
-        include_token_ids: bool,
-        /// Only these DP ranks (repeatable).
-        #[arg(long)]
-        rank: Vec<u32>,
-        /// Only these tiers: device, host, disk, external, or another medium's name (repeatable).
-        #[arg(long)]
-        tier: Vec<String>,
-        #[arg(long)]
-        json: bool,
-    },
-    /// Decode a capture file (JSON Lines of recorded ZeroMQ messages) and print every batch.
-    Decode {
-        /// The capture file.
-        file: PathBuf,
-        /// One JSON object per message instead of a table.
-        #[arg(long)]
-        json: bool,
-    },
-}
 
 fn out(s: &str) -> anyhow::Result<()> {
     std::io::stdout().write_all(s.as_bytes()).context("writing to stdout")

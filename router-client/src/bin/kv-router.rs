@@ -2,40 +2,13 @@
 //! answers match queries over HTTP (`POST /match`, `GET /workers`, `GET /metrics`).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::Parser as _;
+use kv_router_client::cli::Args;
 use kv_router_client::{http, FollowConfig, Follower};
-
-/// Follows kv-relays and answers "which worker holds this request's prefix" over HTTP.
-#[derive(Parser, Debug)]
-#[command(name = "kv-router", version)]
-struct Args {
-    /// A relay to follow (`http://host:port`); repeatable.
-    #[arg(long = "relay", value_name = "URL")]
-    relays: Vec<String>,
-    /// A file with one relay URL per line (blank lines and `#` comments ignored).
-    #[arg(long, value_name = "FILE")]
-    relays_file: Option<PathBuf>,
-    /// Where the HTTP API listens.
-    #[arg(long, default_value = "127.0.0.1:8090")]
-    listen: SocketAddr,
-    /// A worker silent for longer than this (milliseconds) is reported stale.
-    #[arg(long, default_value_t = 2000)]
-    stale_after_ms: u64,
-    /// No stream message for this long (milliseconds): reconnect and resume.
-    #[arg(long, default_value_t = 5000)]
-    receive_timeout_ms: u64,
-    /// Bearer token for the relays (also read from `KV_ROUTER_RELAY_TOKEN`).
-    #[arg(long, env = "KV_ROUTER_RELAY_TOKEN", hide_env_values = true)]
-    relay_token: Option<String>,
-    /// CA certificate (PEM) for `https://` relays.
-    #[arg(long, value_name = "FILE")]
-    relay_ca: Option<PathBuf>,
-}
 
 /// The validated configuration: everything read before any port is bound.
 struct Config {

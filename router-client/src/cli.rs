@@ -1,0 +1,34 @@
+//! The example router `kv-router`'s command line, here rather than in the binary so that the
+//! packaging's generator (`xtask`) renders its man page and shell completions from the same
+//! definition.
+
+use clap::Parser;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Follows kv-relays and answers "which worker holds this request's prefix" over HTTP.
+#[derive(Parser, Debug)]
+#[command(name = "kv-router", version)]
+pub struct Args {
+    /// A relay to follow (`http://host:port`); repeatable.
+    #[arg(long = "relay", value_name = "URL")]
+    pub relays: Vec<String>,
+    /// A file with one relay URL per line (blank lines and `#` comments ignored).
+    #[arg(long, value_name = "FILE")]
+    pub relays_file: Option<PathBuf>,
+    /// Where the HTTP API listens.
+    #[arg(long, default_value = "127.0.0.1:8090")]
+    pub listen: SocketAddr,
+    /// A worker silent for longer than this (milliseconds) is reported stale.
+    #[arg(long, default_value_t = 2000)]
+    pub stale_after_ms: u64,
+    /// No stream message for this long (milliseconds): reconnect and resume.
+    #[arg(long, default_value_t = 5000)]
+    pub receive_timeout_ms: u64,
+    /// Bearer token for the relays (also read from `KV_ROUTER_RELAY_TOKEN`).
+    #[arg(long, env = "KV_ROUTER_RELAY_TOKEN", hide_env_values = true)]
+    pub relay_token: Option<String>,
+    /// CA certificate (PEM) for `https://` relays.
+    #[arg(long, value_name = "FILE")]
+    pub relay_ca: Option<PathBuf>,
+}
