@@ -6,7 +6,7 @@
 //!   write; its two bounds (what subscribers resume from, what recovery needs); the commit lock.
 //! - `live.rs`: the live set in memory, and the journals that let snapshots copy it beside commits.
 //! - `snapshot.rs`: snapshots of the live set at one cursor, read in chunks.
-//! - `checkpoint.rs`: the live set at a cursor, written in chunks beside commits; loading the
+//! - `checkpoint.rs`: the live set at a cursor, written to a file beside commits; loading the
 //!   newest whole one.
 //! - `format.rs`: the on-disk format's version, and the upgrade of a format-1 store.
 //! - `redo.rs`: the writes a failed write may have left in part (see "A failed write").
@@ -22,8 +22,9 @@
 //!
 //! # Checkpoints and recovery
 //! A background thread writes the live set as a checkpoint once enough log has passed since the
-//! last ([`CheckpointPolicy`]): a snapshot at cursor C (commits pause only to register it), its
-//! chunks, its manifest, a flush; then the previous checkpoint is removed and the log up to C may
+//! last ([`CheckpointPolicy`]): a snapshot at cursor C (commits pause only to register it) written
+//! as a file (`checkpoints/<id>.ckpt`: chunks, a manifest, synced and renamed), then sled flushed;
+//! only then is the previous checkpoint removed, and the log up to C may
 //! go (records past the history's bounds and at or before C are removed a bounded number per
 //! write). An open rebuilds the live set from the newest whole checkpoint and replays the log after
 //! its cursor. A crash at any point of a checkpoint's write leaves the previous checkpoint, whose
@@ -40,9 +41,9 @@
 //! soon as there is room ([`Store::save_redo`]), and the next open applies it, whole and in
 //! order, before anything else. Each batch sets keys to values (and removes keys), so applying
 //! it again over any part of itself gives its whole result: the reopened store holds every
-//! commit up to the failed one (the failed one too). Checkpoint chunks are not kept: a checkpoint
-//! counts only when it reads back whole (each chunk against its CRC in the manifest), and the
-//! previous one stays until the new one has been flushed.
+//! commit up to the failed one (the failed one too). Checkpoint files are not part of it: a
+//! checkpoint counts only when it reads back whole (each chunk against its CRC in the manifest),
+//! and the previous one stays until the new one and the log before it are durable.
 //!
 //! # Crash protocol
 //! Every open is a new *incarnation*, kept with the first cursor it could commit. sled makes
