@@ -921,6 +921,8 @@ struct Ramp {
     max_steps: usize,
     /// Geometric midpoints tried between the last stable and the first unstable rate.
     refine: usize,
+    /// Steps down (by `factor`) from an unstable first step, looking for a stable one.
+    down: usize,
 }
 
 impl Ramp {
@@ -931,24 +933,35 @@ impl Ramp {
             factor: 1.4,
             max_steps: if opts.quick { 2 } else { 14 },
             refine: 1,
+            down: 0,
         }
     }
 }
 
-/// Steps the offered rate up until lag grows, then tries midpoints between the last stable and
-/// the first unstable rate. Returns the highest stable step.
+/// Steps the offered rate up until lag grows (or down from an unstable start until it holds),
+/// then tries midpoints between the last stable and the first unstable rate. Returns the highest
+/// stable step.
 fn search(opts: &Opts, s: &Setup, pubr: &Publisher, subs: &[Sub], ramp: &Ramp) -> Option<Step> {
     let mut best: Option<Step> = None;
     let mut rate = ramp.start;
-    let mut failed = None;
+    let mut failed: Option<f64> = None;
+    let mut down = 0;
     for _ in 0..ramp.max_steps {
         let st = run_step(s, pubr, subs, rate, opts.step);
         print_step(&st);
         if !st.stable {
-            failed = Some(rate);
+            failed = Some(failed.map_or(rate, |f| f.min(rate)));
+            if best.is_none() && down < ramp.down {
+                down += 1;
+                rate /= ramp.factor;
+                continue;
+            }
             break;
         }
         best = Some(st);
+        if failed.is_some() {
+            break; // stable below the first unstable start
+        }
         rate *= ramp.factor;
     }
     for _ in 0..ramp.refine {
@@ -1132,6 +1145,7 @@ fn ingest_shape(
         factor: 1.6,
         max_steps: if opts.quick { 2 } else { 16 },
         refine: if opts.quick { 0 } else { 2 },
+        down: if opts.quick { 0 } else { 3 },
     };
     let best = search(opts, &s, &pubr, &subs, &ramp);
     commit_breakdown(&s);
@@ -1266,11 +1280,12 @@ fn shapes(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
         table.row(
             format!("publisher alone (no relay), {}", shape.short()),
             format!(
-                "{} block ops/s ({} batches/s, {:.2} cores of this process, sinks got {:.1}%)",
+                "{} block ops/s offered ({} batches/s, {:.2} cores of this process); a counting SUB per rank on the other core took {:.0}% of it ({} block ops/s)",
                 th(offer.ops_s),
                 th(offer.batches_s),
                 offer.bench_cpu,
-                offer.received * 100.0
+                offer.received.min(1.0) * 100.0,
+                th(offer.ops_s * offer.received.min(1.0))
             ),
             "",
             "at least the goal rates",
