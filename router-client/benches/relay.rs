@@ -1,25 +1,36 @@
-//! The relay end to end: sustained ingest, added latency, footprint and resync.
+//! The relay end to end: sustained ingest, added latency, footprint, resync and recovery, printed
+//! as one markdown table with issue 28's goals and a same-run peer where one exists.
 //!
-//! The drills' mock engine (vLLM 0.32 wire, 2 DP ranks, replay sockets) publishes a realistic mix: the
-//! Mooncake conversation trace served by each rank's prefix-cache simulator (stores of the
-//! uncached suffix, one removal per evicted block once the cache is full). `kv-relay` runs as a
-//! separate process (so its RSS and CPU are its own), and subscribers in this process follow it
-//! with `kv-router-client`'s admission and prefix index (the calls the follower makes for each
-//! message). A direct ZeroMQ subscriber decodes and normalizes the same stream in the same run:
-//! the peer for the latency ratio.
+//! Two engine sides. The drills' mock engine (vLLM 0.32 wire, 2 DP ranks, replay sockets)
+//! publishes a realistic mix: the Mooncake conversation trace served by each rank's prefix-cache
+//! simulator (stores of the uncached suffix, one removal per evicted block once the cache is
+//! full), about 40 block operations a batch and at most about 6,500 batches a second. For the
+//! rates issue 28 asks of ingest, a [`Cycle`] of payloads encoded once with the test kit's wire
+//! encoder goes out through the same mock engine (its seq, PUB socket and replay buffer; not its
+//! truth), in two shapes ([`Shape`]): a prefill-heavy vLLM step and SGLang with page size 1. What
+//! that publisher offers with nobody relaying is measured first (the peer of those rows).
+//!
+//! `kv-relay` runs as a separate process (so its RSS and CPU are its own), and subscribers in this
+//! process follow it with `kv-router-client`'s admission and prefix index (the calls the follower
+//! makes for each message). A direct ZeroMQ subscriber decodes and normalizes the same stream in
+//! the same run: the peer for the latency ratio.
 //!
 //! Run (release; build the relay binary first):
 //! ```text
 //! cargo build --release --locked -p kv-relay --bins
-//! cargo bench --locked -p kv-router-client --bench relay                 # full, ~15 min here
-//! KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay   # CI: seconds
+//! cargo bench --locked -p kv-router-client --bench relay                 # full, ~25 min here
+//! KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay   # CI: about a minute
 //! ```
 //! Environment: `KV_RELAY_BIN` (the relay binary; default `target/release/kv-relay`, or
 //! `target/debug/kv-relay` in quick mode), `KV_RELAY_BENCH_DIR` (where state directories go),
 //! `KV_RELAY_BENCH_RUNS` (repetitions of each latency window and resync, default 3),
 //! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace; default
 //! `testdata/mooncake/conversation_trace.jsonl`),
-//! `KV_RELAY_BENCH_ONLY` (comma list of `ingest,latency,footprint` to run a part).
+//! `KV_RELAY_BENCH_ONLY` (comma list of parts: `ingest` the Mooncake ingest search; `publisher`
+//! what the pre-encoded publisher offers alone; `shapes` that and the ingest search on both
+//! shapes; `latency`; `footprint` the catch-up, the fill to a million live blocks, RSS, bytes on
+//! disk, snapshot resync and the commit pause; `recovery` the fill and restarts after SIGKILL and
+//! SIGTERM).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -34,7 +45,9 @@ use kv_relay_testkit::client::Sub as ZmqSub;
 use kv_relay_testkit::drills::harness::{self, metric, status, RelayProc};
 use kv_relay_testkit::engine::MockEngine;
 use kv_relay_testkit::traffic::{mooncake_block_tokens, CacheSim, RandomSource, RequestSource};
-use kv_relay_testkit::wire::{BlockHash, Engine, EngineEvent, Stored, TokenIds};
+use kv_relay_testkit::wire::{
+    encode_batch, Batch, BlockHash, Engine, EngineEvent, Removed, Stored, TokenIds, WireVersion,
+};
 use kv_router_client::admission::{ClientEvent, RelayAdmission};
 use kv_router_client::index::{IndexConfig, PrefixIndex};
 
@@ -184,9 +197,10 @@ fn block_ops(e: &EngineEvent) -> u64 {
     }
 }
 
-/// A publisher thread at an adjustable rate, fed by a generator thread.
+/// A publisher thread at an adjustable rate, fed by a generator thread (the Mooncake workload)
+/// or by a [`Cycle`] of pre-encoded payloads.
 struct Publisher {
-    /// Offered batches per second (0: paused).
+    /// Offered batches per second (0: paused; infinite: as fast as it can).
     rate: Arc<Mutex<f64>>,
     published: Arc<AtomicU64>,
     ops: Arc<AtomicU64>,
@@ -196,11 +210,16 @@ struct Publisher {
 
 type Item = (u32, Vec<EngineEvent>, u64);
 
+/// Where the publisher's batches come from.
+enum Feed {
+    /// Events from the generator thread, encoded (and applied to the engine's truth) per batch.
+    Events(std::sync::mpsc::Receiver<Item>),
+    /// Pre-encoded payloads, published without the truth.
+    Cycle(Cycle),
+}
+
 impl Publisher {
     fn start(engine: Arc<MockEngine>, mut work: Workload) -> Publisher {
-        let rate = Arc::new(Mutex::new(0.0f64));
-        let published = Arc::new(AtomicU64::new(0));
-        let ops = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = std::sync::mpsc::sync_channel::<Item>(4096);
         let gen = {
@@ -213,6 +232,19 @@ impl Publisher {
                 }
             })
         };
+        let mut p = Publisher::pace(engine, Feed::Events(rx), stop);
+        p.threads.push(gen);
+        p
+    }
+
+    fn cycle(engine: Arc<MockEngine>, cycle: Cycle) -> Publisher {
+        Publisher::pace(engine, Feed::Cycle(cycle), Arc::new(AtomicBool::new(false)))
+    }
+
+    fn pace(engine: Arc<MockEngine>, mut feed: Feed, stop: Arc<AtomicBool>) -> Publisher {
+        let rate = Arc::new(Mutex::new(0.0f64));
+        let published = Arc::new(AtomicU64::new(0));
+        let ops = Arc::new(AtomicU64::new(0));
         let publ = {
             let (rate, published, ops, stop) = (rate.clone(), published.clone(), ops.clone(), stop.clone());
             std::thread::spawn(move || {
@@ -232,15 +264,25 @@ impl Publisher {
                         std::thread::sleep((due - now).min(Duration::from_millis(5)));
                         continue;
                     }
-                    let Ok((rank, events, k)) = rx.recv() else { return };
-                    engine.publish(rank, events).expect("publish");
+                    let k = match &mut feed {
+                        Feed::Events(rx) => {
+                            let Ok((rank, events, k)) = rx.recv() else { return };
+                            engine.publish(rank, events).expect("publish");
+                            k
+                        }
+                        Feed::Cycle(c) => {
+                            let (rank, payload, k) = c.next();
+                            engine.publish_untracked(rank, payload).expect("publish");
+                            k
+                        }
+                    };
                     n += 1;
                     published.fetch_add(1, Ordering::Relaxed);
                     ops.fetch_add(k, Ordering::Relaxed);
                 }
             })
         };
-        Publisher { rate, published, ops, stop, threads: vec![gen, publ] }
+        Publisher { rate, published, ops, stop, threads: vec![publ] }
     }
 
     fn set_rate(&self, r: f64) {
@@ -255,10 +297,219 @@ impl Publisher {
 impl Drop for Publisher {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // The pacer first: the generator may be blocked on a full channel until the pacer's exit
+        // drops the receiver.
         for t in self.threads.drain(..) {
-            // The generator may be blocked on a full channel: the publisher's exit drops the receiver.
             let _ = t.join();
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Pre-encoded cycles: the engine side that offers millions of block operations a second.
+
+/// The batch shapes of issue 28's ingest rows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    /// A prefill-heavy vLLM step (0.32 wire): one `BlockStored` of 64-128 blocks of 16 token ids
+    /// (chained in the event, no parent) and one `BlockRemoved` of as many hashes.
+    Prefill,
+    /// SGLang with page size 1 (latest wire): 128 one-block `BlockStored` of one token each, each
+    /// the child of the one before, and 128 one-block `BlockRemoved`.
+    Page1,
+}
+
+impl Shape {
+    const ALL: [Shape; 2] = [Shape::Prefill, Shape::Page1];
+
+    fn name(self) -> &'static str {
+        match self {
+            Shape::Prefill => "vLLM prefill (1 store of 64-128 blocks + 1 removal of as many)",
+            Shape::Page1 => "SGLang page size 1 (128 one-block stores + 128 one-block removals)",
+        }
+    }
+
+    /// The name in the table.
+    fn short(self) -> &'static str {
+        match self {
+            Shape::Prefill => "vLLM prefill, 64-128-block store + removal a batch",
+            Shape::Page1 => "SGLang page size 1, 128 + 128 one-block events a batch",
+        }
+    }
+
+    fn wire(self) -> WireVersion {
+        match self {
+            Shape::Prefill => WireVersion::parse(Engine::Vllm, "0.32").expect("wire"),
+            Shape::Page1 => WireVersion::latest(Engine::Sglang),
+        }
+    }
+
+    /// Blocks stored by batch `i` of the cycle.
+    fn stores(self, i: usize) -> usize {
+        match self {
+            Shape::Prefill => 64 + (i * 29) % 65,
+            Shape::Page1 => 128,
+        }
+    }
+}
+
+/// Batches in one pass of a cycle per rank (L), and how many batches later a batch's blocks are
+/// removed (D): about 6,200 live blocks a rank for the prefill shape, 8,192 for page size 1.
+fn cycle_geometry(opts: &Opts) -> (usize, usize) {
+    if opts.quick {
+        (32, 8)
+    } else {
+        (256, 64)
+    }
+}
+
+/// A vLLM store of a fresh prefix (no parent) of `BLOCK_SIZE`-token blocks on the GPU.
+fn vllm_prefix(hashes: Vec<BlockHash>, tokens: Vec<u64>) -> EngineEvent {
+    EngineEvent::Stored(Stored {
+        hashes,
+        parent: None,
+        token_ids: TokenIds::Single(tokens),
+        block_size: BLOCK_SIZE,
+        medium: Some("GPU".into()),
+        group_idx: Some(0),
+        kind: Some("full_attention".into()),
+        ..Default::default()
+    })
+}
+
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// A state-consistent loop of pre-encoded batches per rank, encoded once with the test kit's wire
+/// encoder: batch i of a pass stores `shape.stores(i)` fresh hashes and removes (tail first) the
+/// hashes batch i - D stored (mod L), so the live set stays about K*D blocks a rank and every
+/// removal hits a live block. The first pass's first D batches are store-only variants (nothing
+/// to remove yet); SGLang's first batch carries `AllBlocksCleared` in front, as the engine's does.
+/// Each send copies the payload and writes the current time into its `ts` (a float64 at bytes
+/// 2..10); the seq frame is the rank publisher's, which also keeps the batch for replay.
+struct Cycle {
+    ranks: u32,
+    shape: Shape,
+    lag: usize,
+    len: usize,
+    /// Per rank: the first pass's first D batches, then the L batches of every pass; (payload,
+    /// block operations).
+    prelude: Vec<Vec<(Vec<u8>, u64)>>,
+    pass: Vec<Vec<(Vec<u8>, u64)>>,
+    sent: Vec<usize>,
+    turn: u32,
+}
+
+impl Cycle {
+    fn new(shape: Shape, ranks: u32, (len, lag): (usize, usize)) -> Cycle {
+        assert!(lag < len, "a batch's blocks are removed within the pass");
+        let wire = shape.wire();
+        let hash = |rank: u32, i: usize, j: usize| splitmix64((u64::from(rank) << 48) ^ ((i as u64) << 16) ^ j as u64);
+        let block_hash = |h: u64| match shape {
+            Shape::Prefill => BlockHash::U64(h),
+            Shape::Page1 => BlockHash::I64(h as i64),
+        };
+        let (mut prelude, mut pass) = (Vec::new(), Vec::new());
+        for rank in 0..ranks {
+            let (mut pre, mut cyc) = (Vec::new(), Vec::new());
+            for i in 0..len {
+                let stored: Vec<u64> = (0..shape.stores(i)).map(|j| hash(rank, i, j)).collect();
+                let gone = (i + len - lag) % len;
+                // Leaves first, as the engines evict: the chain's tail to its head.
+                let removed: Vec<u64> = (0..shape.stores(gone)).rev().map(|j| hash(rank, gone, j)).collect();
+                let (stores, removals) = match shape {
+                    Shape::Prefill => {
+                        let tokens = stored
+                            .iter()
+                            .flat_map(|&h| (0..u64::from(BLOCK_SIZE)).map(move |t| 1 + splitmix64(h ^ t) % 32_000))
+                            .collect();
+                        let store = vllm_prefix(stored.iter().map(|&h| block_hash(h)).collect(), tokens);
+                        let removal = EngineEvent::Removed(Removed {
+                            hashes: removed.iter().map(|&h| block_hash(h)).collect(),
+                            medium: Some("GPU".into()),
+                            group_idx: Some(0),
+                            ..Default::default()
+                        });
+                        (vec![store], vec![removal])
+                    }
+                    Shape::Page1 => {
+                        let stores = stored
+                            .iter()
+                            .enumerate()
+                            .map(|(j, &h)| {
+                                EngineEvent::Stored(Stored {
+                                    hashes: vec![block_hash(h)],
+                                    parent: j.checked_sub(1).map(|p| block_hash(stored[p])),
+                                    token_ids: TokenIds::Single(vec![1 + splitmix64(h) % 32_000]),
+                                    block_size: 1,
+                                    medium: Some("GPU".into()),
+                                    ..Default::default()
+                                })
+                            })
+                            .collect();
+                        let removals = removed
+                            .iter()
+                            .map(|&h| {
+                                EngineEvent::Removed(Removed {
+                                    hashes: vec![block_hash(h)],
+                                    medium: Some("GPU".into()),
+                                    ..Default::default()
+                                })
+                            })
+                            .collect();
+                        (stores, removals)
+                    }
+                };
+                let clear = (i == 0 && wire.clears_on_start()).then_some(EngineEvent::Cleared);
+                let encode = |events: Vec<EngineEvent>| {
+                    let p = encode_batch(&wire, &Batch { ts: 0.0, events, dp_rank: Some(rank) });
+                    assert_eq!(p[1], 0xcb, "a batch starts with its ts as a float64");
+                    p
+                };
+                if i < lag {
+                    let events: Vec<EngineEvent> = clear.into_iter().chain(stores.iter().cloned()).collect();
+                    pre.push((encode(events), stored.len() as u64));
+                }
+                let events: Vec<EngineEvent> = removals.into_iter().chain(stores).collect();
+                cyc.push((encode(events), (stored.len() + removed.len()) as u64));
+            }
+            prelude.push(pre);
+            pass.push(cyc);
+        }
+        Cycle { ranks, shape, lag, len, prelude, pass, sent: vec![0; ranks as usize], turn: 0 }
+    }
+
+    /// Live blocks on every rank once the prelude is out.
+    fn live_blocks(&self) -> u64 {
+        let per_rank: usize = (self.len - self.lag..self.len).map(|i| self.shape.stores(i)).sum();
+        per_rank as u64 * u64::from(self.ranks)
+    }
+
+    fn ops_per_batch(&self) -> f64 {
+        let (n, ops) = self.pass.iter().flatten().fold((0u64, 0u64), |(n, o), (_, k)| (n + 1, o + k));
+        ops as f64 / n as f64
+    }
+
+    fn bytes_per_batch(&self) -> f64 {
+        let (n, b) = self.pass.iter().flatten().fold((0usize, 0usize), |(n, b), (p, _)| (n + 1, b + p.len()));
+        b as f64 / n as f64
+    }
+
+    /// The next batch: (rank, payload stamped with the current time, block operations).
+    fn next(&mut self) -> (u32, Vec<u8>, u64) {
+        let rank = self.turn % self.ranks;
+        self.turn = self.turn.wrapping_add(1);
+        let n = self.sent[rank as usize];
+        self.sent[rank as usize] += 1;
+        let (p, ops) =
+            if n < self.lag { &self.prelude[rank as usize][n] } else { &self.pass[rank as usize][n % self.len] };
+        let mut out = p.clone();
+        out[2..10].copy_from_slice(&wall().to_be_bytes());
+        (rank, out, *ops)
     }
 }
 
@@ -270,6 +521,8 @@ struct SubShared {
     cursor: AtomicU64,
     batches: AtomicU64,
     snapshots: AtomicU64,
+    /// Subscribe streams opened.
+    sessions: AtomicU64,
     record: AtomicBool,
     /// Engine publish → applied, ms.
     latencies: Mutex<Vec<f32>>,
@@ -300,6 +553,16 @@ impl Sub {
         Sub { shared, stop, task }
     }
 
+    /// A subscriber that only reads its stream (decoded by tonic) and counts batches: the
+    /// relay does the same work for it as for an indexing one, this process much less (the extra
+    /// subscribers of the shape rows, where eight indexes would bound the bench, not the relay).
+    fn start_counting(rt: &tokio::runtime::Handle, url: &str) -> Sub {
+        let shared = Arc::new(SubShared::default());
+        let (stop, stopped) = tokio::sync::watch::channel(false);
+        let task = rt.spawn(count(url.to_string(), shared.clone(), stopped));
+        Sub { shared, stop, task }
+    }
+
     fn cursor(&self) -> u64 {
         self.shared.cursor.load(Ordering::Relaxed)
     }
@@ -327,22 +590,27 @@ async fn follow(
     }
 }
 
+async fn connect(url: &str) -> Result<RelayClient<tonic::transport::Channel>, String> {
+    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+        .map_err(|e| e.to_string())?
+        .connect()
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(RelayClient::new(ch).max_decoding_message_size(64 << 20))
+}
+
 async fn session(
     url: &str,
     st: &mut SubState,
     sh: &SubShared,
     stop: &mut tokio::sync::watch::Receiver<bool>,
 ) -> Result<(), String> {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| e.to_string())?
-        .connect()
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut client = RelayClient::new(ch).max_decoding_message_size(64 << 20);
+    let mut client = connect(url).await?;
     let s = client.status(pb::StatusRequest {}).await.map_err(|e| e.to_string())?;
     st.admission.apply_status(s.get_ref(), &st.index);
     let req = st.admission.subscribe_request(true);
     let mut stream = client.subscribe(req).await.map_err(|e| e.to_string())?.into_inner();
+    sh.sessions.fetch_add(1, Ordering::Relaxed);
     let mut events: Vec<ClientEvent> = Vec::new();
     loop {
         let msg = tokio::select! {
@@ -370,6 +638,41 @@ async fn session(
         sh.cursor.store(st.admission.position().cursor, Ordering::Relaxed);
         if let kv_router_client::Verdict::Resume(why) = verdict {
             return Err(why);
+        }
+    }
+}
+
+async fn count(url: String, sh: Arc<SubShared>, mut stop: tokio::sync::watch::Receiver<bool>) -> SubState {
+    let mut after = 0u64;
+    while !*stop.borrow() {
+        if let Err(e) = count_session(&url, &sh, &mut stop, &mut after).await {
+            sh.errors.lock().expect("errors").push(e);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    SubState { admission: RelayAdmission::new(url), index: PrefixIndex::new(IndexConfig::default()) }
+}
+
+async fn count_session(
+    url: &str,
+    sh: &SubShared,
+    stop: &mut tokio::sync::watch::Receiver<bool>,
+    after: &mut u64,
+) -> Result<(), String> {
+    let mut client = connect(url).await?;
+    let req = pb::SubscribeRequest { after_cursor: *after, allow_snapshot: true, ..Default::default() };
+    let mut stream = client.subscribe(req).await.map_err(|e| e.to_string())?.into_inner();
+    sh.sessions.fetch_add(1, Ordering::Relaxed);
+    loop {
+        let msg = tokio::select! {
+            biased;
+            _ = stop.changed() => return Ok(()),
+            m = stream.message() => m.map_err(|e| e.to_string())?.ok_or("stream ended")?,
+        };
+        if let Some(pb::subscribe_response::Message::Batch(b)) = &msg.message {
+            *after = b.cursor;
+            sh.cursor.store(b.cursor, Ordering::Relaxed);
+            sh.batches.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -431,8 +734,13 @@ struct Setup {
 }
 
 fn setup(opts: &Opts, cores: Option<&str>, extra: &[&str]) -> Setup {
-    // vLLM 0.32 wire, replay sockets, `/metrics` scraped by the relay; 10,000 batches buffered.
-    let engine = harness::engine(DP, 10_000);
+    setup_on(opts, Shape::Prefill.wire(), cores, extra)
+}
+
+fn setup_on(opts: &Opts, wire: WireVersion, cores: Option<&str>, extra: &[&str]) -> Setup {
+    // vLLM 0.32 wire (or `wire`), replay sockets, `/metrics` scraped by the relay; 10,000 batches
+    // buffered.
+    let engine = harness::engine_on(wire, DP, 10_000);
     let dir = tempfile::Builder::new().prefix("kv-relay-bench").tempdir_in(&opts.dir).expect("state dir");
     let state = dir.path().join("state");
     let log = dir.path().join("relay.log");
@@ -474,6 +782,25 @@ fn dir_bytes(p: &Path) -> u64 {
         }
     }
     n
+}
+
+/// `1234567.8` as `1,234,568`.
+fn th(x: f64) -> String {
+    if !x.is_finite() {
+        return format!("{x}");
+    }
+    let digits = format!("{:.0}", x.abs());
+    let mut out = String::new();
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i) % 3 == 0 {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    if x < -0.5 {
+        out.insert(0, '-');
+    }
+    out
 }
 
 fn loadavg() -> String {
@@ -533,17 +860,21 @@ struct Step {
     backlog_end: u64,
     drain: Option<Duration>,
     relay_cpu: f64,
+    /// This process's CPU (engine, publisher, subscribers), in cores.
+    bench_cpu: f64,
     stable: bool,
 }
 
 fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration) -> Step {
-    let pid = s.relay.pid().expect("pid");
-    let (p0, o0, c0, t0) = (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), Instant::now());
+    let (pid, me) = (s.relay.pid().expect("pid"), std::process::id());
+    let (p0, o0, c0, b0, t0) =
+        (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), cpu_seconds(me), Instant::now());
     pubr.set_rate(rate);
     std::thread::sleep(len / 2);
     let backlog_mid = pubr.published().saturating_sub(min_applied(subs));
     std::thread::sleep(len / 2);
-    let (p1, o1, c1, el) = (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), t0.elapsed());
+    let (p1, o1, c1, b1, el) =
+        (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), cpu_seconds(me), t0.elapsed());
     let backlog_end = p1.saturating_sub(min_applied(subs));
     pubr.set_rate(0.0);
     let d = drain(pubr, subs, Duration::from_secs(60));
@@ -562,13 +893,14 @@ fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration)
         backlog_end,
         drain: d,
         relay_cpu: (c1 - c0) / secs,
+        bench_cpu: (b1 - b0) / secs,
         stable,
     }
 }
 
 fn print_step(st: &Step) {
     println!(
-        "  offered {:>7.0} b/s  published {:>7.0} b/s  {:>8.0} ops/s  backlog mid {:>6} end {:>6}  drain {:>8}  relay cpu {:>4.2}  cpu/1k b/s {:>5.3}  {}",
+        "  offered {:>7.0} b/s  published {:>7.0} b/s  {:>8.0} ops/s  backlog mid {:>6} end {:>6}  drain {:>8}  relay cpu {:>4.2}  cpu/1k b/s {:>5.3}  bench cpu {:>4.2}  {}",
         st.offered,
         st.batches_s,
         st.ops_s,
@@ -577,33 +909,70 @@ fn print_step(st: &Step) {
         st.drain.map_or("none".to_string(), |d| format!("{:.0}ms", d.as_secs_f64() * 1000.0)),
         st.relay_cpu,
         st.relay_cpu / (st.batches_s / 1000.0),
+        st.bench_cpu,
         if st.stable { "stable" } else { "LAG GROWS" }
     );
 }
 
-/// Steps the offered rate up (x1.4) until lag grows, then once between the last stable and the
-/// first unstable rate. Returns the highest stable step.
-fn search(opts: &Opts, s: &Setup, pubr: &Publisher, subs: &[Sub]) -> Option<Step> {
+/// How [`search`] steps the offered rate.
+struct Ramp {
+    start: f64,
+    factor: f64,
+    max_steps: usize,
+    /// Geometric midpoints tried between the last stable and the first unstable rate.
+    refine: usize,
+    /// Steps down (by `factor`) from an unstable first step, looking for a stable one.
+    down: usize,
+}
+
+impl Ramp {
+    /// The Mooncake rows': x1.4 from 200 batches/s, one midpoint.
+    fn mooncake(opts: &Opts) -> Ramp {
+        Ramp {
+            start: if opts.quick { 100.0 } else { 200.0 },
+            factor: 1.4,
+            max_steps: if opts.quick { 2 } else { 14 },
+            refine: 1,
+            down: 0,
+        }
+    }
+}
+
+/// Steps the offered rate up until lag grows (or down from an unstable start until it holds),
+/// then tries midpoints between the last stable and the first unstable rate. Returns the highest
+/// stable step.
+fn search(opts: &Opts, s: &Setup, pubr: &Publisher, subs: &[Sub], ramp: &Ramp) -> Option<Step> {
     let mut best: Option<Step> = None;
-    let mut rate = if opts.quick { 100.0 } else { 200.0 };
-    let max_steps = if opts.quick { 2 } else { 14 };
-    let mut failed = None;
-    for _ in 0..max_steps {
+    let mut rate = ramp.start;
+    let mut failed: Option<f64> = None;
+    let mut down = 0;
+    for _ in 0..ramp.max_steps {
         let st = run_step(s, pubr, subs, rate, opts.step);
         print_step(&st);
         if !st.stable {
-            failed = Some(rate);
+            failed = Some(failed.map_or(rate, |f| f.min(rate)));
+            if best.is_none() && down < ramp.down {
+                down += 1;
+                rate /= ramp.factor;
+                continue;
+            }
             break;
         }
         best = Some(st);
-        rate *= 1.4;
+        if failed.is_some() {
+            break; // stable below the first unstable start
+        }
+        rate *= ramp.factor;
     }
-    if let (Some(hi), Some(lo)) = (failed, best.as_ref().map(|b| b.offered)) {
+    for _ in 0..ramp.refine {
+        let (Some(hi), Some(lo)) = (failed, best.as_ref().map(|b| b.offered)) else { break };
         let mid = (hi * lo).sqrt();
         let st = run_step(s, pubr, subs, mid, opts.step);
         print_step(&st);
         if st.stable {
             best = Some(st);
+        } else {
+            failed = Some(mid);
         }
     }
     best
@@ -632,13 +1001,163 @@ fn ingest(opts: &Opts, rt: &tokio::runtime::Runtime, cores: Option<&str>, nsubs:
         nsubs,
         loadavg()
     );
-    let best = search(opts, &s, &pubr, &subs);
+    let best = search(opts, &s, &pubr, &subs, &Ramp::mooncake(opts));
     commit_breakdown(&s);
     if cores.is_some() {
         pin(std::process::id(), "0,1");
     }
     drop(pubr);
     for sub in subs {
+        sub.finish(rt);
+    }
+    best
+}
+
+/// What the pre-encoded publisher offers with nobody relaying: this process on core 1 (the side
+/// the relay's ingest search leaves it), as fast as it can for a while, a counting SUB per rank
+/// on core 0 (where the relay would be). In quick mode, unpinned and briefly.
+struct Offer {
+    batches_s: f64,
+    ops_s: f64,
+    /// Batches the sinks received, per batch published (PUB drops past its high-water mark).
+    received: f64,
+    bench_cpu: f64,
+}
+
+fn publisher_alone(opts: &Opts, shape: Shape) -> Offer {
+    let engine = harness::engine_on(shape.wire(), DP, 10_000);
+    if !opts.quick {
+        pin(std::process::id(), "1");
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    let received = Arc::new(AtomicU64::new(0));
+    let ready = Arc::new(AtomicU64::new(0));
+    let sinks: Vec<_> = engine
+        .endpoints()
+        .into_iter()
+        .map(|ep| {
+            let (stop, received, ready, pin_it) = (stop.clone(), received.clone(), ready.clone(), !opts.quick);
+            let ctx_like = engine.context().clone();
+            std::thread::spawn(move || {
+                if pin_it {
+                    pin_this_thread("0");
+                }
+                // A zmq context of its own (the engine's type, made anew) whose I/O thread starts
+                // on this thread's core, with the socket.
+                let ctx = fresh(&ctx_like);
+                let sock = ZmqSub::connect(&ctx, &ep.publisher).expect("SUB");
+                ready.fetch_add(1, Ordering::Relaxed);
+                while !stop.load(Ordering::Relaxed) {
+                    if sock.recv_raw(Duration::from_millis(50)).is_some() {
+                        received.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    while ready.load(Ordering::Relaxed) < u64::from(DP) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(300)); // the subscriptions reach the PUBs
+    let pubr = Publisher::cycle(engine.clone(), Cycle::new(shape, DP, cycle_geometry(opts)));
+    let window = if opts.quick { Duration::from_millis(500) } else { Duration::from_secs(3) };
+    let me = std::process::id();
+    let (b0, t0) = (cpu_seconds(me), Instant::now());
+    pubr.set_rate(f64::INFINITY);
+    std::thread::sleep(window);
+    let (p, o, b1, el) = (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(me), t0.elapsed());
+    pubr.set_rate(0.0);
+    let all = pubr.published(); // the window's and the few after it
+    drop(pubr);
+    engine.flush().expect("flush");
+    std::thread::sleep(Duration::from_millis(200));
+    stop.store(true, Ordering::Relaxed);
+    for t in sinks {
+        let _ = t.join();
+    }
+    if !opts.quick {
+        pin(me, "0,1");
+    }
+    let secs = el.as_secs_f64();
+    Offer {
+        batches_s: p as f64 / secs,
+        ops_s: o as f64 / secs,
+        received: received.load(Ordering::Relaxed) as f64 / all.max(1) as f64,
+        bench_cpu: (b1 - b0) / secs,
+    }
+}
+
+/// A new value of `T`'s type (a zmq context without naming the crate).
+fn fresh<T: Default>(_: &T) -> T {
+    T::default()
+}
+
+/// Pins the calling thread (`taskset -p -c` on its thread id); threads it starts inherit it.
+fn pin_this_thread(cores: &str) {
+    let link = std::fs::read_link("/proc/thread-self").expect("/proc/thread-self");
+    let tid: u32 = link
+        .file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.parse().ok())
+        .expect("a thread id in /proc/thread-self");
+    pin(tid, cores);
+}
+
+/// The ingest search on a pre-encoded shape. The first subscriber applies the stream to an index
+/// as the Mooncake rows' do; the others only count (see [`Sub::start_counting`]).
+fn ingest_shape(
+    opts: &Opts,
+    rt: &tokio::runtime::Runtime,
+    shape: Shape,
+    cores: Option<&str>,
+    nsubs: usize,
+) -> Option<Step> {
+    let s = setup_on(opts, shape.wire(), cores, &[]);
+    if cores.is_some() {
+        pin(std::process::id(), "1");
+    }
+    let url = s.relay.url();
+    let subs: Vec<Sub> = (0..nsubs)
+        .map(|i| if i == 0 { Sub::start(rt.handle(), &url, None) } else { Sub::start_counting(rt.handle(), &url) })
+        .collect();
+    let cycle = Cycle::new(shape, DP, cycle_geometry(opts));
+    let (per_batch, live) = (cycle.ops_per_batch(), cycle.live_blocks());
+    let pubr = Publisher::cycle(s.engine.clone(), cycle);
+    // Warm up: one whole pass and its prelude on every rank, so that removals flow and the live
+    // set is at its size.
+    let warm = ((cycle_geometry(opts).0 + cycle_geometry(opts).1) as u64) * u64::from(DP);
+    pubr.set_rate(if opts.quick { 1000.0 } else { 500.0 });
+    while pubr.published() < warm {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    pubr.set_rate(0.0);
+    drain(&pubr, &subs, Duration::from_secs(120));
+    let relay_live = status(&url).ok().and_then(|st| st.counters.get("live_blocks").copied()).unwrap_or(0);
+    println!(
+        "ingest, {}: relay on {}, {nsubs} subscriber(s) (1 indexing), {per_batch:.1} block ops a batch, live blocks {relay_live} (cycle's {live}), load average {}",
+        shape.name(),
+        cores.map_or("both cores".to_string(), |c| format!("core {c}, this process on core 1")),
+        loadavg()
+    );
+    // From about 30,000 block operations a second (5,000 in quick mode), x1.6 a step.
+    let ramp = Ramp {
+        start: (if opts.quick { 5_000.0 } else { 30_000.0 } / per_batch).max(10.0),
+        factor: 1.6,
+        max_steps: if opts.quick { 2 } else { 16 },
+        refine: if opts.quick { 0 } else { 2 },
+        down: if opts.quick { 0 } else { 3 },
+    };
+    let best = search(opts, &s, &pubr, &subs, &ramp);
+    commit_breakdown(&s);
+    if cores.is_some() {
+        pin(std::process::id(), "0,1");
+    }
+    drop(pubr);
+    for sub in subs {
+        let errors = sub.shared.errors.lock().expect("errors").clone();
+        if !errors.is_empty() {
+            println!("  subscriber errors: {errors:?}");
+        }
         sub.finish(rt);
     }
     best
@@ -679,36 +1198,126 @@ fn main() {
         loadavg()
     );
 
-    let mut table: Vec<(String, String)> = Vec::new();
+    let mut table = Table::default();
     if opts.part("ingest") {
         let configs: &[(Option<&str>, usize)] =
             if opts.quick { &[(None, 1), (None, 8)] } else { &[(None, 1), (None, 8), (Some("0"), 1), (Some("0"), 8)] };
         for &(cores, nsubs) in configs {
             let label = format!("{}, {} subscriber(s)", cores.map_or("2 cores", |_| "1 core"), nsubs);
-            match ingest(&opts, &rt, cores, nsubs) {
+            let value = match ingest(&opts, &rt, cores, nsubs) {
                 Some(b) => {
                     println!("  => highest stable: {:.0} batches/s, {:.0} block ops/s", b.batches_s, b.ops_s);
-                    table.push((
-                        format!("sustained ingest, {label}"),
-                        format!(
-                            "{:.0} block ops/s ({:.0} batches/s, {:.1} ops/batch), relay CPU {:.2} cores",
-                            b.ops_s,
-                            b.batches_s,
-                            b.ops_s / b.batches_s,
-                            b.relay_cpu
-                        ),
-                    ));
+                    format!(
+                        "{} block ops/s ({} batches/s, {:.1} ops/batch), relay CPU {:.2} cores",
+                        th(b.ops_s),
+                        th(b.batches_s),
+                        b.ops_s / b.batches_s,
+                        b.relay_cpu
+                    )
                 }
-                None => table.push((format!("sustained ingest, {label}"), "no stable step".into())),
-            }
+                None => "no stable step".into(),
+            };
+            table.row(format!("sustained ingest, Mooncake, {label}"), value, "", "(goals: the shape rows)");
         }
     }
-    if opts.part("latency") || opts.part("footprint") {
+    if opts.part("shapes") || opts.part("publisher") {
+        shapes(&opts, &rt, &mut table);
+    }
+    if opts.part("latency") || opts.part("footprint") || opts.part("recovery") {
         footprint_latency_resync(&opts, &rt, &mut table);
     }
-    println!("\nsummary (load average {}):", loadavg());
-    for (k, v) in &table {
-        println!("  {k}: {v}");
+    println!(
+        "\nsummary ({} mode, relay {}, load average {}):\n",
+        if opts.quick { "quick" } else { "full" },
+        bin.display(),
+        loadavg()
+    );
+    table.print();
+}
+
+/// The results as one markdown table: each measure with its same-run peer and issue 28's goal.
+#[derive(Default)]
+struct Table(Vec<[String; 4]>);
+
+impl Table {
+    fn row(&mut self, measure: impl Into<String>, value: impl Into<String>, peer: impl Into<String>, goal: &str) {
+        self.0.push([measure.into(), value.into(), peer.into(), goal.to_string()]);
+    }
+
+    fn print(&self) {
+        println!("| measure | this run | same-run peer | goal (issue 28) |");
+        println!("|---|---|---|---|");
+        for r in &self.0 {
+            let cell = |s: &str| if s.is_empty() { "-".to_string() } else { s.replace('|', "/") };
+            println!("| {} | {} | {} | {} |", cell(&r[0]), cell(&r[1]), cell(&r[2]), cell(&r[3]));
+        }
+    }
+}
+
+/// What the pre-encoded publisher offers alone, then the ingest search on each shape with 1 and 8
+/// subscribers (the relay on core 0, this process on core 1; unpinned in quick mode).
+fn shapes(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
+    for shape in Shape::ALL {
+        let c = Cycle::new(shape, DP, cycle_geometry(opts));
+        println!(
+            "shape {}: {:.1} block ops and {:.0} bytes a batch, {} live blocks (2 ranks)",
+            shape.name(),
+            c.ops_per_batch(),
+            c.bytes_per_batch(),
+            c.live_blocks()
+        );
+        let offer = publisher_alone(opts, shape);
+        println!(
+            "publisher alone, {}: {:.0} batches/s, {:.0} block ops/s, sinks received {:.3} of them, this process {:.2} cores (load average {})",
+            shape.name(),
+            offer.batches_s,
+            offer.ops_s,
+            offer.received,
+            offer.bench_cpu,
+            loadavg()
+        );
+        let offered = format!("publisher alone: {} block ops/s", th(offer.ops_s));
+        table.row(
+            format!("publisher alone (no relay), {}", shape.short()),
+            format!(
+                "{} block ops/s offered ({} batches/s, {:.2} cores of this process); a counting SUB per rank on the other core took {:.0}% of it ({} block ops/s)",
+                th(offer.ops_s),
+                th(offer.batches_s),
+                offer.bench_cpu,
+                offer.received.min(1.0) * 100.0,
+                th(offer.ops_s * offer.received.min(1.0))
+            ),
+            "",
+            "at least the goal rates",
+        );
+        if !opts.part("shapes") {
+            continue;
+        }
+        let cores = if opts.quick { None } else { Some("0") };
+        for nsubs in [1usize, 8] {
+            let label = format!(
+                "sustained ingest, {}, {}, {}",
+                shape.short(),
+                cores.map_or("2 cores", |_| "1 core"),
+                if nsubs == 1 { "1 subscriber".to_string() } else { format!("{nsubs} subscribers (1 indexing)") }
+            );
+            let goal = if nsubs == 1 { "at least 1,000,000 block ops/s" } else { "at least 800,000 block ops/s" };
+            let value = match ingest_shape(opts, rt, shape, cores, nsubs) {
+                Some(b) => {
+                    println!("  => highest stable: {:.0} batches/s, {:.0} block ops/s", b.batches_s, b.ops_s);
+                    format!(
+                        "{} block ops/s ({} batches/s), relay CPU {:.2} cores, this process {:.2} cores{}",
+                        th(b.ops_s),
+                        th(b.batches_s),
+                        b.relay_cpu,
+                        b.bench_cpu,
+                        if b.bench_cpu > 0.9 { " (this process near a core: the edge may be the bench's)" } else { "" }
+                    )
+                }
+                None => "no stable step".into(),
+            };
+            table.row(label, value, offered.clone(), goal);
+        }
     }
 }
 
@@ -741,16 +1350,15 @@ fn latency_window(s: &Setup, pubr: &Publisher, sub: &Sub, direct: &Direct, rate:
     ]
 }
 
-fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Vec<(String, String)>) {
+fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
     // The history holds the catch-up and no more, so that a new subscriber takes the snapshot path.
     let history = opts.history_batches.to_string();
-    let s = setup(opts, None, &["--history-batches", &history]);
+    let mut s = setup(opts, None, &["--history-batches", &history]);
     let url = s.relay.url();
-    let pid = s.relay.pid().expect("pid");
     std::thread::sleep(Duration::from_millis(500));
     let rss_idle = s.relay.rss_kib().unwrap_or(0);
     println!("footprint: relay RSS idle {:.1} MiB (load average {})", rss_idle as f64 / 1024.0, loadavg());
-    table.push(("RSS idle".into(), format!("{:.1} MiB", rss_idle as f64 / 1024.0)));
+    table.row("RSS idle", format!("{:.1} MiB", rss_idle as f64 / 1024.0), "", "");
 
     let direct = Direct::start(&s.engine);
     let sub = Sub::start(rt.handle(), &url, None);
@@ -764,11 +1372,15 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         std::thread::sleep(Duration::from_secs(if opts.quick { 1 } else { 4 }));
         pubr.set_rate(0.0);
         drain(&pubr, std::slice::from_ref(&sub), Duration::from_secs(60));
-        let mut rates = vec![opts.latency_rate];
+        // Issue 28's rates (p50 at 250, p99 at 750, CPU at 1,000 batches/s), then the overload
+        // rate and the sustainable rate and half of it.
+        let mut rates =
+            if opts.quick { vec![250.0, opts.latency_rate] } else { vec![250.0, 750.0, 1000.0, opts.latency_rate] };
         let sustainable = if opts.quick {
             None
         } else {
-            search(opts, &s, &pubr, std::slice::from_ref(&sub)).map(|b| (b.batches_s / 50.0).floor() * 50.0)
+            search(opts, &s, &pubr, std::slice::from_ref(&sub), &Ramp::mooncake(opts))
+                .map(|b| (b.batches_s / 50.0).floor() * 50.0)
         };
         if let Some(r) = sustainable {
             catchup_rate = (0.8 * r).max(100.0);
@@ -792,82 +1404,113 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
             }
             let m = |i: usize| median(&mut rows.iter().map(|r| r[i]).collect::<Vec<_>>());
             let ratio = |a: usize, b: usize| median(&mut rows.iter().map(|r| r[a] / r[b]).collect::<Vec<_>>());
-            table.push((
-                format!("added latency at {rate:.0} batches/s offered ({:.0} published), median of {}", m(6), opts.runs),
+            let what =
+                format!("{rate:.0} batches/s offered ({:.0} published), Mooncake, median of {}", m(6), opts.runs);
+            table.row(
+                format!("latency through gRPC at {what}"),
                 format!(
-                    "relay path p50 {:.2} / p99 {:.2} / p99.9 {:.2} ms; direct p50 {:.3} / p99 {:.3} / p99.9 {:.3} ms; ratio {:.0}x / {:.0}x / {:.0}x; relay CPU per 1,000 batches/s {:.3} cores",
-                    m(0), m(1), m(2), m(3), m(4), m(5), ratio(0, 3), ratio(1, 4), ratio(2, 5),
-                    m(7) / (m(6) / 1000.0)
+                    "relay path p50 {:.2} / p99 {:.2} / p99.9 {:.2} ms; ratio {:.0}x / {:.0}x / {:.0}x",
+                    m(0),
+                    m(1),
+                    m(2),
+                    ratio(0, 3),
+                    ratio(1, 4),
+                    ratio(2, 5),
                 ),
-            ));
+                format!("direct SUB p50 {:.3} / p99 {:.3} / p99.9 {:.3} ms", m(3), m(4), m(5)),
+                match rate as u64 {
+                    250 => "relay p50 under 0.5 ms",
+                    750 => "relay p99 at most direct p99 + 1 ms",
+                    _ => "",
+                },
+            );
+            table.row(
+                format!("relay CPU at {what}"),
+                format!("{:.3} cores ({:.3} per 1,000 batches/s)", m(7), m(7) / (m(6) / 1000.0)),
+                "",
+                if rate as u64 == 1000 { "at most 0.1 core" } else { "" },
+            );
         }
     }
 
-    if !opts.part("footprint") {
+    if opts.part("footprint") {
+        // Catch-up: a subscriber leaves, the history grows by N batches, it comes back.
+        let sub_state = sub.finish(rt);
+        let mut catchups = Vec::new();
+        let mut held = Some(sub_state);
+        let mut sub_again = None;
+        for run in 0..opts.runs {
+            let target = pubr.published() + opts.catchup_batches;
+            pubr.set_rate(catchup_rate);
+            while pubr.published() < target {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            pubr.set_rate(0.0);
+            // Wait until the relay has committed them all.
+            let want: u64 = target;
+            let ok = harness_wait(Duration::from_secs(300), || {
+                let (_, seqs) = relay_position(&url);
+                seqs.iter().map(|s| s + 1).sum::<u64>() >= want
+            });
+            assert!(ok, "the relay never committed the catch-up batches");
+            let (newest, _) = relay_position(&url);
+            let st = match (held.take(), sub_again.take()) {
+                (Some(st), _) => st,
+                (None, Some(s)) => Sub::finish(s, rt),
+                _ => unreachable!(),
+            };
+            let from = st.admission.position().cursor;
+            let t = Instant::now();
+            let sub2 = Sub::start(rt.handle(), &url, Some(st));
+            let ok = harness_wait(Duration::from_secs(300), || sub2.cursor() >= newest);
+            assert!(ok, "the subscriber never caught up to {newest}: {:?}", sub2.shared.errors.lock().expect("e"));
+            let took = t.elapsed();
+            println!(
+                "catch-up {}: {} records of history (cursor {from} -> {newest}) in {:.0} ms, snapshots {}",
+                run + 1,
+                newest - from,
+                took.as_secs_f64() * 1000.0,
+                sub2.shared.snapshots.load(Ordering::Relaxed)
+            );
+            catchups.push(took.as_secs_f64() * 1000.0);
+            // Leave it stopped for the next run.
+            held = Some(sub2.finish(rt));
+        }
+        let (hist_rss, hist) =
+            (s.relay.rss_kib().unwrap_or(0), status(&url).map(|x| (x.history_records, x.history_bytes)));
+        let live_cache = metric(&s.relay.metrics_text(), "kv_relay_live_blocks", &[]).unwrap_or(0.0);
+        println!(
+            "history: {:?} (records, bytes), live blocks {live_cache}, RSS {:.1} MiB",
+            hist,
+            hist_rss as f64 / 1024.0
+        );
+        table.row(
+            format!("catch-up of {} batches of history (median of {})", opts.catchup_batches, opts.runs),
+            format!("{:.0} ms", median(&mut catchups)),
+            "",
+            "",
+        );
+        table.row(
+            "RSS with a full history",
+            format!(
+                "{:.1} MiB ({} records, {:.1} MiB of history, {live_cache:.0} live blocks)",
+                hist_rss as f64 / 1024.0,
+                hist.as_ref().map_or(0, |h| h.0),
+                hist.as_ref().map_or(0, |h| h.1) as f64 / (1 << 20) as f64
+            ),
+            "",
+            "",
+        );
+    } else {
+        sub.finish(rt);
+    }
+    drop(pubr);
+    if !opts.part("footprint") && !opts.part("recovery") {
         return;
     }
-    // Catch-up: a subscriber leaves, the history grows by N batches, it comes back.
-    let sub_state = sub.finish(rt);
-    let mut catchups = Vec::new();
-    let mut held = Some(sub_state);
-    let mut sub_again = None;
-    for run in 0..opts.runs {
-        let target = pubr.published() + opts.catchup_batches;
-        pubr.set_rate(catchup_rate);
-        while pubr.published() < target {
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        pubr.set_rate(0.0);
-        // Wait until the relay has committed them all.
-        let want: u64 = target;
-        let ok = harness_wait(Duration::from_secs(300), || {
-            let (_, seqs) = relay_position(&url);
-            seqs.iter().map(|s| s + 1).sum::<u64>() >= want
-        });
-        assert!(ok, "the relay never committed the catch-up batches");
-        let (newest, _) = relay_position(&url);
-        let st = match (held.take(), sub_again.take()) {
-            (Some(st), _) => st,
-            (None, Some(s)) => Sub::finish(s, rt),
-            _ => unreachable!(),
-        };
-        let from = st.admission.position().cursor;
-        let t = Instant::now();
-        let sub2 = Sub::start(rt.handle(), &url, Some(st));
-        let ok = harness_wait(Duration::from_secs(300), || sub2.cursor() >= newest);
-        assert!(ok, "the subscriber never caught up to {newest}: {:?}", sub2.shared.errors.lock().expect("e"));
-        let took = t.elapsed();
-        println!(
-            "catch-up {}: {} records of history (cursor {from} -> {newest}) in {:.0} ms, snapshots {}",
-            run + 1,
-            newest - from,
-            took.as_secs_f64() * 1000.0,
-            sub2.shared.snapshots.load(Ordering::Relaxed)
-        );
-        catchups.push(took.as_secs_f64() * 1000.0);
-        // Leave it stopped for the next run.
-        held = Some(sub2.finish(rt));
-    }
-    let (hist_rss, hist) = (s.relay.rss_kib().unwrap_or(0), status(&url).map(|x| (x.history_records, x.history_bytes)));
-    let live_cache = metric(&s.relay.metrics_text(), "kv_relay_live_blocks", &[]).unwrap_or(0.0);
-    println!("history: {:?} (records, bytes), live blocks {live_cache}, RSS {:.1} MiB", hist, hist_rss as f64 / 1024.0);
-    table.push((
-        format!("catch-up of {} batches of history (median of {})", opts.catchup_batches, opts.runs),
-        format!("{:.0} ms", median(&mut catchups)),
-    ));
-    table.push((
-        "RSS with a full history".into(),
-        format!(
-            "{:.1} MiB ({} records, {:.1} MiB of history, {live_cache:.0} live blocks)",
-            hist_rss as f64 / 1024.0,
-            hist.as_ref().map_or(0, |h| h.0),
-            hist.as_ref().map_or(0, |h| h.1) as f64 / (1 << 20) as f64
-        ),
-    ));
-    drop(held);
-    drop(pubr);
 
     // Fill: fresh chained prefixes of 128 blocks, alternating ranks, until fill_blocks are live.
+    let pid = s.relay.pid().expect("pid");
     let t = Instant::now();
     let c0 = cpu_seconds(pid);
     let per = 128u64;
@@ -882,17 +1525,7 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         let hashes: Vec<BlockHash> = (0..n).map(|i| BlockHash::U64(next_hash + i)).collect();
         next_hash += n;
         let tokens: Vec<u64> = (0..n * u64::from(BLOCK_SIZE)).map(|i| 1 + (next_hash ^ i) % 32_000).collect();
-        let ev = EngineEvent::Stored(Stored {
-            hashes,
-            parent: None,
-            token_ids: TokenIds::Single(tokens),
-            block_size: BLOCK_SIZE,
-            medium: Some("GPU".into()),
-            group_idx: Some(0),
-            kind: Some("full_attention".into()),
-            ..Default::default()
-        });
-        s.engine.publish(rank, vec![ev]).expect("publish");
+        s.engine.publish(rank, vec![vllm_prefix(hashes, tokens)]).expect("publish");
         sent += n;
         published += 1;
         // Keep at most ~400 batches ahead of the relay.
@@ -911,7 +1544,7 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
     let fill_cpu = cpu_seconds(pid) - c0;
     std::thread::sleep(Duration::from_secs(2)); // sled's background flush, the live gauges
     let rss_full = s.relay.rss_kib().unwrap_or(0);
-    let live = metric(&s.relay.metrics_text(), "kv_relay_live_blocks", &[]).unwrap_or(0.0);
+    let live = live_blocks(&url) as f64;
     let disk = dir_bytes(&s.relay.state_dir.join("sled"));
     println!(
         "fill: {published} batches of {per} stores in {fill_secs:.1} s ({:.0} block ops/s, relay CPU {:.2} cores); live blocks {live}, RSS {:.1} MiB, sled {:.1} MiB ({:.0} B per live block); load average {}",
@@ -922,20 +1555,56 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         disk as f64 / live.max(1.0),
         loadavg()
     );
-    table.push((format!("RSS at {live:.0} live blocks"), format!("{:.1} MiB", rss_full as f64 / 1024.0)));
-    table.push((
-        "bytes on disk per live block (sled directory, history included)".into(),
+    table.row(
+        format!("RSS at {} live blocks of {BLOCK_SIZE} tokens, full history", th(live)),
+        format!("{:.1} MiB", rss_full as f64 / 1024.0),
+        format!("RSS idle {:.1} MiB", rss_idle as f64 / 1024.0),
+        "at most 200 MiB",
+    );
+    table.row(
+        "bytes on disk per live block (sled directory, history included)",
         format!("{:.0} ({:.1} MiB)", disk as f64 / live.max(1.0), disk as f64 / (1 << 20) as f64),
-    ));
-    table.push((
+        "",
+        "at most 150",
+    );
+    table.row(
         format!("fill, {per} stores per batch"),
-        format!("{:.0} block ops/s, relay CPU {:.2} cores", total as f64 / fill_secs, fill_cpu / fill_secs),
-    ));
+        format!("{} block ops/s, relay CPU {:.2} cores", th(total as f64 / fill_secs), fill_cpu / fill_secs),
+        "",
+        "",
+    );
 
-    // Resync: a new subscriber rebuilds its index through the snapshot path.
+    if opts.part("footprint") {
+        resync_and_pause(opts, rt, &s, live, table);
+    }
+    if opts.part("recovery") {
+        recovery(rt, &mut s, table);
+    }
+    drop(direct);
+}
+
+/// The relay's live blocks (Status's `live_blocks` counter).
+fn live_blocks(url: &str) -> u64 {
+    status(url).ok().and_then(|st| st.counters.get("live_blocks").copied()).unwrap_or(0)
+}
+
+/// A histogram's (sum, count) from the relay's metrics endpoint.
+fn histogram(s: &Setup, name: &str) -> Option<(f64, f64)> {
+    let m = s.relay.metrics_text();
+    Some((metric(&m, &format!("{name}_sum"), &[])?, metric(&m, &format!("{name}_count"), &[])?))
+}
+
+/// A new subscriber rebuilds its index through the snapshot path, `runs` times; each snapshot's
+/// commit pause is read from the relay's `kv_relay_store_snapshot_pause_seconds` (the growth of
+/// its sum and count across the run), beside the mean commit of the same run as the peer.
+fn resync_and_pause(opts: &Opts, rt: &tokio::runtime::Runtime, s: &Setup, live: f64, table: &mut Table) {
+    const PAUSE: &str = "kv_relay_store_snapshot_pause_seconds";
+    let url = s.relay.url();
     let (newest, _) = relay_position(&url);
     let mut resyncs = Vec::new();
+    let mut pauses = Vec::new();
     for run in 0..opts.runs {
+        let p0 = histogram(s, PAUSE);
         let t = Instant::now();
         let sub = Sub::start(rt.handle(), &url, None);
         let ok = harness_wait(Duration::from_secs(600), || sub.cursor() >= newest);
@@ -944,20 +1613,115 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         let snaps = sub.shared.snapshots.load(Ordering::Relaxed);
         let st = sub.finish(rt);
         let blocks = st.index.stats().blocks;
+        let pause = match (p0, histogram(s, PAUSE)) {
+            (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) * 1000.0),
+            (None, Some((s1, n1))) if n1 > 0.0 => Some(s1 / n1 * 1000.0),
+            _ => None,
+        };
         println!(
-            "snapshot resync {}: {blocks} blocks indexed at cursor {} in {:.0} ms, snapshots {snaps} (relay RSS {:.1} MiB)",
+            "snapshot resync {}: {blocks} blocks indexed at cursor {} in {:.0} ms, snapshots {snaps}, commit pause {} (relay RSS {:.1} MiB)",
             run + 1,
             st.admission.position().cursor,
             took.as_secs_f64() * 1000.0,
+            pause.map_or("not exported".to_string(), |p| format!("{p:.2} ms")),
             s.relay.rss_kib().unwrap_or(0) as f64 / 1024.0
         );
         resyncs.push(took.as_secs_f64() * 1000.0);
+        pauses.extend(pause);
     }
-    table.push((
-        format!("resync through the snapshot, {live:.0} live blocks (median of {})", opts.runs),
+    table.row(
+        format!("snapshot resync of {} blocks into kv-router-client's index (median of {})", th(live), opts.runs),
         format!("{:.0} ms", median(&mut resyncs)),
-    ));
-    drop(direct);
+        "",
+        "at most 1 s",
+    );
+    let commit = histogram(s, "kv_relay_commit_seconds").map(|(sum, n)| sum / n * 1000.0);
+    let max = pauses.iter().copied().fold(f64::NAN, f64::max);
+    table.row(
+        format!("commit pause while a snapshot of {} blocks is taken ({PAUSE}, median of {})", th(live), pauses.len()),
+        if pauses.is_empty() {
+            "not exported".to_string()
+        } else {
+            format!("{:.2} ms (max {max:.2} ms)", median(&mut pauses))
+        },
+        commit.map_or(String::new(), |c| format!("a commit takes {c:.2} ms on average")),
+        "at most 5 ms",
+    );
+}
+
+/// Recovery after SIGKILL at the fill's live blocks: the relay is killed (-9) with a subscriber
+/// following, started again on the same state directory and ports, and timed until Status
+/// answers, until its live blocks equal what it had, and until the subscriber is following again
+/// at the newest cursor. The peer: the same after a clean stop (SIGTERM).
+fn recovery(rt: &tokio::runtime::Runtime, s: &mut Setup, table: &mut Table) {
+    let url = s.relay.url();
+    let sub = Sub::start(rt.handle(), &url, None);
+    let (newest, _) = relay_position(&url);
+    let ok = harness_wait(Duration::from_secs(600), || sub.cursor() >= newest);
+    assert!(ok, "the subscriber never reached cursor {newest}: {:?}", sub.shared.errors.lock().expect("e"));
+    let live = live_blocks(&url);
+    let mut times: Vec<[f64; 3]> = Vec::new();
+    let mut resumed = Vec::new();
+    for (how, signal) in [("SIGKILL", "KILL"), ("SIGTERM", "TERM")] {
+        let sessions = sub.shared.sessions.load(Ordering::Relaxed);
+        let snapshots = sub.shared.snapshots.load(Ordering::Relaxed);
+        let pid = s.relay.pid().expect("pid");
+        if signal == "KILL" {
+            s.relay.kill();
+        } else {
+            let ok = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status()
+                .is_ok_and(|st| st.success());
+            assert!(ok, "kill -TERM {pid} failed");
+            let ok = harness_wait(Duration::from_secs(60), || s.relay.exited().is_some());
+            assert!(ok, "the relay did not exit on SIGTERM");
+        }
+        let t = Instant::now();
+        s.relay.spawn_only();
+        let ok = harness_wait(Duration::from_secs(300), || status(&url).is_ok());
+        assert!(ok, "the restarted relay never answered Status; log:\n{}", s.relay.log_tail());
+        let serving = t.elapsed();
+        let ok = harness_wait(Duration::from_secs(300), || live_blocks(&url) == live);
+        assert!(ok, "the restarted relay's live blocks never came back to {live} ({} now)", live_blocks(&url));
+        let equal = t.elapsed();
+        let (newest, _) = relay_position(&url);
+        let ok = harness_wait(Duration::from_secs(300), || {
+            sub.shared.sessions.load(Ordering::Relaxed) > sessions && sub.cursor() >= newest
+        });
+        assert!(ok, "the subscriber never followed the restarted relay: {:?}", sub.shared.errors.lock().expect("e"));
+        let resynced = t.elapsed();
+        println!(
+            "restart after {how} at {live} live blocks: Status answers in {:.0} ms, live blocks equal in {:.0} ms, subscriber following at cursor {newest} in {:.0} ms (snapshots so far {}; load average {})",
+            serving.as_secs_f64() * 1000.0,
+            equal.as_secs_f64() * 1000.0,
+            resynced.as_secs_f64() * 1000.0,
+            sub.shared.snapshots.load(Ordering::Relaxed),
+            loadavg()
+        );
+        times.push([serving, equal, resynced].map(|d| d.as_secs_f64() * 1000.0));
+        resumed.push(sub.shared.snapshots.load(Ordering::Relaxed) == snapshots);
+    }
+    sub.finish(rt);
+    let [k, c] = [times[0], times[1]];
+    table.row(
+        format!("recovery after SIGKILL at {} live blocks, to serving", th(live as f64)),
+        format!(
+            "Status answers {:.0} ms, live blocks equal {:.0} ms, subscriber following {:.0} ms ({})",
+            k[0],
+            k[1],
+            k[2],
+            if resumed[0] { "resumed" } else { "through a snapshot" }
+        ),
+        format!(
+            "after SIGTERM: {:.0} / {:.0} / {:.0} ms ({})",
+            c[0],
+            c[1],
+            c[2],
+            if resumed[1] { "resumed" } else { "through a snapshot" }
+        ),
+        "at most 3 s, log replay included",
+    );
 }
 
 fn harness_wait(limit: Duration, mut f: impl FnMut() -> bool) -> bool {

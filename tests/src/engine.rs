@@ -349,6 +349,20 @@ impl MockEngine {
         self.send_payload(r, rank, topic, payload)
     }
 
+    /// Publish an already-encoded payload without applying it to the truth: for load
+    /// generators that keep their own state and publish faster than the truth's decode could
+    /// follow (the relay bench's pre-encoded cycles). The seq, the wire and the replay buffer
+    /// are as for [`MockEngine::publish_payload`]; [`MockEngine::truth`] no longer describes
+    /// the rank once this is used.
+    pub fn publish_untracked(&self, rank: u32, payload: Vec<u8>) -> Result<(), EngineError> {
+        let (r, st) = self.lock_state(rank)?;
+        if !st.running {
+            return Err(EngineError::Stopped(rank));
+        }
+        r.handle.send(Cmd::Publish { topic: None, payload })?;
+        Ok(())
+    }
+
     /// Serve one request on `rank`'s prefix cache and publish the resulting step. With
     /// `clear_first`, the cache is reset first and `AllBlocksCleared` rides in front of the
     /// step's events (as vLLM's `reset_prefix_cache` does).

@@ -44,9 +44,14 @@ pub fn relay_bin() -> PathBuf {
 
 /// A mock engine (vLLM 0.32 wire, GPU and host tiers, replay socket, `/metrics`) with `dp` ranks on free ports.
 pub fn engine(dp: u32, buffer_steps: usize) -> Arc<MockEngine> {
+    engine_on(WireVersion::parse(Engine::Vllm, "0.32").expect("wire"), dp, buffer_steps)
+}
+
+/// [`engine`] with another wire (e.g. SGLang's latest layout).
+pub fn engine_on(wire: WireVersion, dp: u32, buffer_steps: usize) -> Arc<MockEngine> {
     for _ in 0..20 {
         let base = free_ports(2 * dp as u16);
-        let mut cfg = EngineConfig::new(WireVersion::parse(Engine::Vllm, "0.32").expect("wire"));
+        let mut cfg = EngineConfig::new(wire);
         cfg.dp_size = dp;
         cfg.endpoint = format!("tcp://127.0.0.1:{base}");
         cfg.replay_endpoint = Some(format!("tcp://127.0.0.1:{}", base + dp as u16));
