@@ -1545,9 +1545,9 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
     std::thread::sleep(Duration::from_secs(2)); // sled's background flush, the live gauges
     let rss_full = s.relay.rss_kib().unwrap_or(0);
     let live = live_blocks(&url) as f64;
-    let disk = dir_bytes(&s.relay.state_dir.join("sled"));
+    let disk = dir_bytes(&s.relay.state_dir);
     println!(
-        "fill: {published} batches of {per} stores in {fill_secs:.1} s ({:.0} block ops/s, relay CPU {:.2} cores); live blocks {live}, RSS {:.1} MiB, sled {:.1} MiB ({:.0} B per live block); load average {}",
+        "fill: {published} batches of {per} stores in {fill_secs:.1} s ({:.0} block ops/s, relay CPU {:.2} cores); live blocks {live}, RSS {:.1} MiB, state directory {:.1} MiB ({:.0} B per live block); load average {}",
         total as f64 / fill_secs,
         fill_cpu / fill_secs,
         rss_full as f64 / 1024.0,
@@ -1562,7 +1562,7 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         "at most 200 MiB",
     );
     table.row(
-        "bytes on disk per live block (sled directory, history included)",
+        "bytes on disk per live block (state directory: log, history and checkpoint)",
         format!("{:.0} ({:.1} MiB)", disk as f64 / live.max(1.0), disk as f64 / (1 << 20) as f64),
         "",
         "at most 150",
