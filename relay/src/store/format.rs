@@ -120,8 +120,11 @@ pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sl
     let snap = Snapshot::open(&live, &SnapshotFilter::all(), 0, 0);
     let m = checkpoint::write(snap, &checkpoint::folder(dir), 1, &|| false)?;
     let mut batch = sled::Batch::default();
-    let kept_from = if oldest == 0 { 0 } else { oldest };
-    batch.insert(&[codec::P_COUNTERS], Counters { newest, oldest, hist_batches, hist_bytes, kept_from }.encode());
+    // Format 1 kept exactly the history on disk: the log starts where it does.
+    batch.insert(
+        &[codec::P_COUNTERS],
+        Counters { newest, oldest, hist_batches, hist_bytes, kept_from: oldest }.encode(),
+    );
     for (rank, row) in &rows {
         let v = codec::encode_named(&row.cursor).map_err(|detail| StoreError::Invalid { what: "rank row", detail })?;
         batch.insert(super::rank_key(*rank), v);
