@@ -1,9 +1,9 @@
 //! The durable store's cost: commits per second (the log write, the live set in memory, the
-//! checkpoints beside them) against a peer that writes only the history records (the same sled,
-//! the same records, one sled write per commit, in this run); bytes on disk per live block; RSS
-//! at a million live blocks; the pause a snapshot costs commits, and the longest commit while a
-//! snapshot of every block is read; a checkpoint's time; reopen (recovery) time with the log a
-//! crash can leave after the newest checkpoint.
+//! checkpoints beside them) against two peers in this run that write only the history records:
+//! appended to a file (the log's write alone), and in sled, one sled write per record; bytes on
+//! disk per live block; RSS at a million live blocks; the pause a snapshot costs commits, and
+//! the longest commit while a snapshot of every block is read; a checkpoint's time; reopen
+//! (recovery) time with the log a crash can leave after the newest checkpoint.
 //!
 //! `cargo bench -p kv-relay --bench store` (full: 1,000,000 live blocks, about a minute);
 //! `KV_RELAY_BENCH_QUICK=1 cargo bench -p kv-relay --bench store` (CI: seconds).
@@ -75,6 +75,20 @@ fn churn_batch(i: u64, old: u64) -> RecordBody {
     }
 }
 
+/// Batch `i` of the log after the last checkpoint: 16 new blocks of batch `i` stored on rank 0,
+/// and the 16 batch `i - 1` stored removed, so the live set keeps its size.
+fn replace_batch(i: u64, remove_previous: bool) -> RecordBody {
+    let Event::Stored(mut s) = stored(i) else { unreachable!() };
+    s.blocks.truncate(BLOCKS_PER_BATCH as usize / 2);
+    let mut events = vec![Event::Stored(s)];
+    if remove_previous {
+        let Event::Stored(prev) = stored(i - 1) else { unreachable!() };
+        let block_hashes = prev.blocks.iter().take(BLOCKS_PER_BATCH as usize / 2).map(|b| b.hash).collect();
+        events.push(Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes, ownership: None }));
+    }
+    RecordBody::Batch { batch: Batch { dp_rank: 0, seq: i, ts: i as f64, events }, load: None }
+}
+
 fn rss_kib() -> (u64, u64) {
     let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
     let field = |name: &str| {
@@ -125,10 +139,24 @@ fn sled_peer(dir: &Path, batches: u64, tree: &str, prefix: &[u8], extra: impl Fn
     start.elapsed()
 }
 
-/// The peer: the same records written to sled as the history alone (one key per record, the
-/// oldest removed past 10,000), no snapshot, no totals.
+/// The sled peer: the same records written to sled as the history alone (one key per record,
+/// the oldest removed past 10,000), no snapshot, no totals.
 fn history_only(dir: &Path, batches: u64) -> Duration {
     sled_peer(dir, batches, "history", b"", |_, _| {})
+}
+
+/// The file peer: the same records encoded and appended to one file, one `write` per record,
+/// synced at the end: the log's write alone, without framing, live set or publishing.
+fn file_only(path: &Path, batches: u64) -> Duration {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    let start = Instant::now();
+    for i in 0..batches {
+        let rec = Record { cursor: i + 1, incarnation: 1, body: fill_batch(i) };
+        f.write_all(&rmp_serde::to_vec_named(&rec).unwrap()).unwrap();
+    }
+    f.sync_data().unwrap();
+    start.elapsed()
 }
 
 fn main() {
@@ -139,10 +167,12 @@ fn main() {
     let root = tempfile::tempdir_in(std::env::var_os("KV_RELAY_BENCH_DIR").unwrap_or_else(|| ".".into())).unwrap();
     println!("store benchmark ({}): {live_target} live blocks, {fill} fill batches of {BLOCKS_PER_BATCH} blocks with {TOKENS_PER_BLOCK} tokens each, {churn} churn batches", if quick { "quick" } else { "full" });
 
-    // Peer first, then drop it.
+    // Peers first, then drop them.
     let peer = history_only(&root.path().join("peer"), fill);
     let peer_bps = per_sec(fill, peer);
     std::fs::remove_dir_all(root.path().join("peer")).unwrap();
+    let file_peer_bps = per_sec(fill, file_only(&root.path().join("file-peer"), fill));
+    std::fs::remove_file(root.path().join("file-peer")).unwrap();
 
     let dir = root.path().join("store");
     let store_cfg = StoreConfig::new(&dir);
@@ -215,11 +245,16 @@ fn main() {
     let start = Instant::now();
     let ckpt = store.checkpoint_now().unwrap();
     let ckpt_time = start.elapsed();
-    // The worst log a crash leaves: a checkpoint's worth of records after the newest checkpoint.
-    let after = CheckpointPolicy::default().every_records.min(if quick { 500 } else { 5_000 });
+    // The worst log a crash leaves: all the policy lets pass before the next checkpoint (as
+    // many records, or as many bytes as the larger of its bytes and the checkpoint's size).
+    let policy = CheckpointPolicy::default();
+    let max_bytes = policy.every_bytes.max(ckpt.bytes);
     let base = fill + churn + groups * 10 + during;
-    for k in 0..after {
-        store.commit(churn_batch(base + k, base - fill + k)).unwrap();
+    let (mut after, mut after_bytes) = (0u64, 0u64);
+    while after + 1 < policy.every_records && after_bytes < max_bytes && (!quick || after < 500) {
+        let c = store.commit_many(vec![replace_batch(base + after, after > 0)]).unwrap();
+        after_bytes += c[0].size();
+        after += 1;
     }
     let live = store.live_stats();
     let disk = du(&dir);
@@ -239,16 +274,18 @@ fn main() {
     println!("|---|---|");
     println!("| fill: committed batches/s (32 stores each) | {fill_bps:.0} |");
     println!("| fill: block ops/s | {:.0} |", fill_bps * BLOCKS_PER_BATCH as f64);
-    println!("| peer, history record only: batches/s | {peer_bps:.0} |");
+    println!("| file peer, the records appended to a file: batches/s | {file_peer_bps:.0} |");
     println!(
-        "| fill vs peer (the store's cost over the log write alone) | {:.2}x the peer's time |",
-        peer_bps / fill_bps
+        "| fill vs file peer (the store's cost over the log write alone) | {:.2}x the peer's time |",
+        file_peer_bps / fill_bps
     );
+    println!("| sled peer, one sled write per record: batches/s | {peer_bps:.0} |");
+    println!("| fill vs sled peer | {:.2}x the peer's time |", peer_bps / fill_bps);
     println!("| churn at {} live: batches/s (16 stores + 16 removals) | {churn_bps:.0} |", live.blocks);
     println!("| churn: block ops/s | {:.0} |", churn_bps * BLOCKS_PER_BATCH as f64);
     println!("| churn, 10 batches per commit_many: batches/s | {many_bps:.0} ({:.2}x single) |", many_bps / churn_bps);
     println!("| history kept | {} batches, {:.1} MiB |", hist.batches, hist.bytes as f64 / (1 << 20) as f64);
-    println!("| bytes on disk (sled dir, after flush) | {:.1} MiB |", disk as f64 / (1 << 20) as f64);
+    println!("| bytes on disk (state directory, after flush) | {:.1} MiB |", disk as f64 / (1 << 20) as f64);
     println!("| bytes on disk per live block (history included) | {:.0} |", disk as f64 / live.blocks as f64);
     println!(
         "| RSS at {} live blocks (peak) | {:.0} MiB ({:.0} MiB) |",
@@ -283,7 +320,11 @@ fn main() {
         heap as f64 / (1 << 20) as f64,
         heap as f64 / live.blocks as f64
     );
-    println!("| reopen: the checkpoint, then {after} records of log after it | {:.0} ms |", reopen.as_secs_f64() * 1e3);
+    println!(
+        "| reopen: the checkpoint, then {after} records ({:.1} MiB) of log after it | {:.0} ms |",
+        after_bytes as f64 / (1 << 20) as f64,
+        reopen.as_secs_f64() * 1e3
+    );
     println!("| RSS after reopen | {:.0} MiB |", rss_reopen as f64 / 1024.0);
     println!("| fill time / churn time | {:.1} s / {:.1} s |", fill_time.as_secs_f64(), churn_time.as_secs_f64());
 }

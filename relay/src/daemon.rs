@@ -55,7 +55,7 @@ fn store_config(cfg: &Config) -> StoreConfig {
         limits: HistoryLimits { max_batches: cfg.history_batches, max_bytes: cfg.history_bytes },
         cache_bytes: cfg.store_cache_bytes,
         // Recovery replays at most about half a history of log after the newest checkpoint.
-        checkpoint: CheckpointPolicy { every_records: (cfg.history_batches / 2).max(1), ..CheckpointPolicy::default() },
+        checkpoint: CheckpointPolicy::default(),
         ..StoreConfig::new(cfg.state_dir.clone())
     }
 }
@@ -154,13 +154,12 @@ pub async fn run(
     served.map_err(|e| DaemonError::Serve(e.to_string()))
 }
 
-/// How long the committer retries a store that failed and must be reopened (after a write error
-/// such as a full disk, sled refuses every later write) before the daemon stops with that error,
-/// so that its supervisor (systemd `Restart=on-failure`, a pod's restart policy) reopens the
-/// store. It stops only once the store saved the writes its reopen must apply again
-/// ([`Store::save_redo`], which needs some free space): the reopened store then holds every
-/// commit up to the failed one, and the relay refills the rest from the engine's replay socket.
-/// Meanwhile Status and metrics show the errors.
+/// How long the committer retries a store that failed and must be reopened (a sync of the log
+/// failed, or a failed write could not be cut back) before the daemon stops with that error, so
+/// that its supervisor (systemd `Restart=on-failure`, a pod's restart policy) reopens the store:
+/// the reopened store holds every commit whose frame is whole on disk, and the relay refills the
+/// rest from the engine's replay socket. A full disk does not fail the store: commits are
+/// refused, and retried, until there is room. Meanwhile Status and metrics show the errors.
 pub const STORE_FAILED_EXIT_AFTER: Duration = Duration::from_secs(5);
 
 fn engine_name(cfg: &Config) -> String {
@@ -276,19 +275,10 @@ fn commit_loop(
                 Err(e) => {
                     status.add("store_errors", 1);
                     if matches!(e, StoreError::Failed { .. }) && started.elapsed() >= STORE_FAILED_EXIT_AFTER {
-                        match store.save_redo() {
-                            Ok(()) => {
-                                tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
-                                *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                                failed.0.send_replace(true);
-                                return;
-                            }
-                            Err(save) => tracing::error!(
-                                error = %save,
-                                "the store failed, and the writes its reopen must apply again are not saved yet: \
-                                 free space in the state directory; the relay stops (to be restarted) once they are"
-                            ),
-                        }
+                        tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
+                        *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+                        failed.0.send_replace(true);
+                        return;
                     }
                     // Keep the records and retry: the queue backs up onto the engine's sockets.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");

@@ -16,9 +16,11 @@ fn cfg(dir: &Path, max_batches: u64, max_bytes: u64) -> StoreConfig {
         dir: dir.to_path_buf(),
         limits: HistoryLimits { max_batches, max_bytes },
         cache_bytes: 8 << 20,
-        // A short tail in memory: reads exercise both it and sled.
+        // A short tail in memory: reads exercise both it and the log's files.
         recent: RecentLimits { max_records: 4, max_bytes: 1 << 20 },
         checkpoint: CheckpointPolicy::default(),
+        // Small segments: the log begins a new file every few commits.
+        segment_bytes: 4096,
     }
 }
 
@@ -836,12 +838,31 @@ fn kill_9_at_random_moments_keeps_the_store_consistent() {
         reader.join().unwrap();
         let (child_inc, child_open_newest, child_newest) = *seen.lock().unwrap();
         assert_eq!(child_inc, prev_incarnation + 1, "round {round}: the child's open is a new incarnation");
+        // Every other round, a power loss as well: the log's last segment loses its end (what
+        // the kernel had not written to the disk yet), cut anywhere, in a frame or between.
+        let power_loss = round % 2 == 1;
+        if power_loss {
+            let mut segments: Vec<_> = std::fs::read_dir(dir.path().join("log"))
+                .unwrap()
+                .map(|e| e.unwrap().path())
+                .filter(|p| p.extension().is_some_and(|x| x == "log"))
+                .collect();
+            segments.sort();
+            let last = std::fs::OpenOptions::new().write(true).open(segments.last().unwrap()).unwrap();
+            let len = last.metadata().unwrap().len();
+            let cut = rng.random_range(1..=2000u64).min(len.saturating_sub(16));
+            last.set_len(len - cut).unwrap();
+        }
 
         let s = open(dir.path());
         assert_eq!(s.incarnation(), child_inc + 1, "round {round}");
         prev_incarnation = s.incarnation();
         let newest = s.newest_cursor();
-        assert!(newest >= child_open_newest, "round {round}: nothing durable before the child was lost");
+        if !power_loss {
+            // A killed process loses no commit: each was in the kernel once its write returned.
+            assert!(newest >= child_newest, "round {round}: the kill lost a commit ({newest} < {child_newest})");
+            assert!(newest >= child_open_newest, "round {round}");
+        }
         // History: contiguous from cursor 1 (never trimmed here) to the newest.
         let hist = all_history(&s);
         assert_eq!(hist.len() as u64, newest, "round {round}");
@@ -870,7 +891,7 @@ fn kill_9_at_random_moments_keeps_the_store_consistent() {
             let last_rec = hist.iter().rev().find(|r| stream_pos(r).0 == rank);
             assert_eq!(s.rank_state(rank).map(|c| c.last_cursor), last_rec.map(|r| r.cursor), "round {round}");
         }
-        // What the child committed but did not make durable is Lost for a subscriber that saw it.
+        // What a power loss took from the child is Lost for a subscriber that saw it.
         if child_newest > newest {
             rounds_with_lost_tail += 1;
         }
@@ -892,7 +913,7 @@ fn kill_9_at_random_moments_keeps_the_store_consistent() {
         );
     }
     eprintln!("{rounds_with_lost_tail} of {rounds} rounds lost a tail");
-    assert!(rounds_with_lost_tail > 0, "no kill landed between a commit and its flush");
+    assert!(rounds_with_lost_tail > 0, "no power loss cut a commit the child had seen");
 }
 
 // ---------------------------------------------------------------- a full disk, a read-only disk
@@ -965,11 +986,10 @@ fn fill_body(rng: &mut StdRng, seq: u64) -> RecordBody {
 }
 
 /// Not a test on its own: the child process of `a_full_disk_…`. It commits the stream,
-/// flushing after every fourth commit (so that sled may hold unwritten batches when the disk
-/// fills, as in the relay), until a write fails; it prints the last cursor committed, the error
-/// and what the next commit answered. Told on stdin that there is room again, it saves the store's redo and exits
-/// without closing the store, as the relay does: sled cannot close a store whose write failed
-/// (its flush waits forever, holding a lock every sled call in the process needs).
+/// flushing after every fourth commit, until a write fails; it prints the last cursor
+/// committed, the error and what the next commit answered. Told on stdin that there is room
+/// again, it commits the record refused and ten more, prints the last cursor, and exits without
+/// closing the store.
 #[test]
 fn disk_fill_child() {
     let Ok(dir) = std::env::var(FILL_DIR) else { return };
@@ -977,21 +997,24 @@ fn disk_fill_child() {
     let mut rng = StdRng::seed_from_u64(3);
     let mut committed = 0;
     for seq in 0..100_000u64 {
+        let mut group = vec![fill_body(&mut rng, seq)];
         let flushed = |r: Record| if seq % 4 == 3 { s.flush().map(|_| r) } else { Ok(r) };
-        match s.commit(fill_body(&mut rng, seq)).and_then(flushed) {
+        match s.commit_group(&mut group).map(|mut v| v.pop().unwrap().record.clone()).and_then(flushed) {
             Ok(r) => committed = r.cursor,
             Err(e) => {
-                // Once a write failed, the store refuses further commits until it is reopened.
-                let again = s.commit(control(0, ControlKind::RankRecovered)).unwrap_err();
-                let refused = matches!(again, StoreError::Failed { .. } | StoreError::DiskFull { .. });
+                // While the disk is full, the record is refused again (and given back again).
+                let again = s.commit_group(&mut group).unwrap_err();
                 println!("\nfill committed={committed}\nfill disk_full={}", matches!(e, StoreError::DiskFull { .. }));
-                println!("fill refused_after={refused}\nfill error={e}");
+                println!("fill refused_again={}", matches!(again, StoreError::DiskFull { .. }));
+                println!("fill given_back={}\nfill error={e}", group.len());
                 let mut go = String::new();
                 std::io::stdin().read_line(&mut go).unwrap();
-                match s.save_redo() {
-                    Ok(()) => println!("fill redo_saved=ok"),
-                    Err(e) => println!("fill redo_saved={e}"),
+                // The record refused (given back by `commit_group`), then ten more.
+                let mut last = s.commit_group(&mut group).unwrap().pop().unwrap().record.cursor;
+                for seq in seq + 1..seq + 11 {
+                    last = s.commit(fill_body(&mut rng, seq)).unwrap().cursor;
                 }
+                println!("fill resumed_to={last}");
                 std::process::exit(0);
             }
         }
@@ -1001,7 +1024,7 @@ fn disk_fill_child() {
 }
 
 #[test]
-fn a_full_disk_fails_the_commit_and_the_reopen_holds_every_commit_up_to_it() {
+fn a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing() {
     use std::io::{BufRead, Write};
     use std::time::{Duration, Instant};
     let Some(disk) = SmallDisk::mount("6m") else { return };
@@ -1014,7 +1037,7 @@ fn a_full_disk_fails_the_commit_and_the_reopen_holds_every_commit_up_to_it() {
         .stderr(std::process::Stdio::null())
         .spawn()
         .unwrap();
-    // The child fills the disk until a write fails, then waits for room to save its redo.
+    // The child fills the disk until a write fails, then waits for room.
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut out = String::new();
     for line in lines.by_ref() {
@@ -1025,48 +1048,55 @@ fn a_full_disk_fails_the_commit_and_the_reopen_holds_every_commit_up_to_it() {
             break;
         }
     }
-    let said: BTreeMap<String, String> = out
-        .lines()
-        .filter_map(|l| l.strip_prefix("fill "))
-        .filter_map(|l| l.split_once('='))
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect();
-    assert_eq!(said.get("disk_full").map(String::as_str), Some("true"), "{out}");
-    assert_eq!(said.get("refused_after").map(String::as_str), Some("true"), "{out}");
-    let msg = &said["error"];
-    assert!(msg.starts_with(&format!("disk full in {} during ", path.display())), "{msg}");
-    assert!(msg.ends_with(": the store keeps its last durable state; free space and reopen it"), "{msg}");
-    let committed: u64 = said["committed"].parse().unwrap();
+    let said = |out: &str| -> BTreeMap<String, String> {
+        out.lines()
+            .filter_map(|l| l.strip_prefix("fill "))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let first = said(&out);
+    assert_eq!(first.get("disk_full").map(String::as_str), Some("true"), "{out}");
+    assert_eq!(first.get("refused_again").map(String::as_str), Some("true"), "{out}");
+    assert_eq!(first.get("given_back").map(String::as_str), Some("1"), "{out}");
+    let msg = &first["error"];
+    assert_eq!(
+        msg,
+        &format!(
+            "disk full in {} during commit: free space in the state directory (every commit before this one is kept)",
+            path.display()
+        )
+    );
+    let committed: u64 = first["committed"].parse().unwrap();
     assert!(committed > 0);
-    // With room again, the failed store saves the writes its reopen must apply again.
+    // With room again, the same store takes the refused record and more, without a reopen.
     disk.remount("size=64m");
     writeln!(child.stdin.take().unwrap(), "go").unwrap();
-    let rest: Vec<String> = lines.map(Result::unwrap).collect();
+    let rest: String = lines.map(|l| l.unwrap() + "\n").collect();
     let t0 = Instant::now();
     while child.try_wait().unwrap().is_none() {
         assert!(t0.elapsed() < Duration::from_secs(60), "the filling process did not end");
         std::thread::sleep(Duration::from_millis(20));
     }
-    assert!(rest.iter().any(|l| l == "fill redo_saved=ok"), "{rest:?}");
-    // The reopened store holds every commit that succeeded, and the failed one when any part of
-    // it was written, whole: a snapshot equal to its history, and to the stream up to there.
+    assert_eq!(said(&rest).get("resumed_to"), Some(&(committed + 11).to_string()), "{rest}");
+    // The reopened store holds exactly the stream: a snapshot equal to its history, and to the
+    // stream up to there.
     let s = open(&path);
-    assert!(!path.join("redo").exists());
     let newest = s.newest_cursor();
-    assert!(newest == committed || newest == committed + 1, "newest {newest}, committed {committed}");
+    assert_eq!(newest, committed + 11);
     let hist = all_history(&s);
     assert_eq!(hist.len() as u64, newest);
-    let mut replay = Reference::default();
-    hist.iter().for_each(|r| replay.apply(&r.body));
     let mut reference = Reference::default();
     let mut rng = StdRng::seed_from_u64(3);
-    (0..newest).for_each(|seq| reference.apply(&fill_body(&mut rng, seq)));
+    for (seq, r) in hist.iter().enumerate() {
+        let want = fill_body(&mut rng, seq as u64);
+        assert_eq!(r.body, want, "cursor {}", r.cursor);
+        reference.apply(&want);
+    }
     let snap = snapshot_all(&s, SnapshotFilter::all()).1;
-    assert_eq!(snap, replay.snapshot(&SnapshotFilter::all()));
     assert_eq!(snap, reference.snapshot(&SnapshotFilter::all()));
     s.commit(control(0, ControlKind::RankRecovered)).unwrap();
     drop(s);
-    // The redo was applied once: the next open finds the commit made after it.
     let s = open(&path);
     assert_eq!(s.newest_cursor(), newest + 1);
     assert_eq!(snapshot_all(&s, SnapshotFilter::all()).1, snap);
@@ -1103,10 +1133,12 @@ fn a_store_in_use_is_refused_and_opens_once_closed() {
 
 // ---------------------------------------------------------------- log, checkpoints, format 1
 
-/// A store that checkpoints only when asked.
+/// A store that checkpoints only when asked, each commit in a segment of its own (so that the
+/// log can be removed a record at a time).
 fn cfg_manual(dir: &Path, max_batches: u64) -> StoreConfig {
     StoreConfig {
         checkpoint: CheckpointPolicy { every_records: u64::MAX, every_bytes: u64::MAX },
+        segment_bytes: 1,
         ..cfg(dir, max_batches, u64::MAX)
     }
 }
@@ -1164,6 +1196,9 @@ fn checkpoints_follow_the_policy_and_the_log_after_them_rebuilds_the_live_set() 
         let body = random_body(&mut rng, (seq % 3) as u32, seq, true);
         reference.apply(&body);
         s.commit(body).unwrap();
+        // Paced as ingest is, so that each checkpoint (a few small files synced) ends before the
+        // policy asks for the next: a commit that finds one running begins none.
+        std::thread::sleep(std::time::Duration::from_millis(2));
     }
     // The checkpoint thread keeps up: one began at least every 50 records.
     let t0 = std::time::Instant::now();
@@ -1463,4 +1498,57 @@ fn kill_9_inside_checkpoints_leaves_the_previous_checkpoint_and_the_log_exact() 
     eprintln!("{inside} of {rounds} kills landed inside a checkpoint's write; {checkpointed} checkpoints ended");
     assert!(inside > 0, "no kill landed inside a checkpoint's write");
     assert!(checkpointed > 0);
+}
+
+fn log_segments(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut v: Vec<_> = std::fs::read_dir(dir.join("log")).unwrap().map(|e| e.unwrap().path()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn the_log_is_cut_at_its_first_damaged_frame_and_the_segments_after_it_go() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(cfg_manual(dir.path(), 100)).unwrap();
+    for seq in 0..10 {
+        s.commit(batch(0, seq, vec![stored(Tier::Device, 0, None, &[seq])])).unwrap();
+    }
+    drop(s);
+    // One commit per segment: the segment of cursor c is named c.
+    let segs = log_segments(dir.path());
+    let names: Vec<String> = segs.iter().map(|p| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, (1..=10).map(|c| format!("{c:020}.log")).collect::<Vec<_>>());
+    // A byte of cursor 5's frame changed (a write a power loss left in part): the log ends at 4.
+    let mut b = std::fs::read(&segs[4]).unwrap();
+    let at = b.len() - 3;
+    b[at] ^= 0x01;
+    std::fs::write(&segs[4], &b).unwrap();
+    let s = Store::open(cfg_manual(dir.path(), 100)).unwrap();
+    assert_eq!(s.newest_cursor(), 4);
+    assert_eq!(all_history(&s).iter().map(|r| r.cursor).collect::<Vec<_>>(), vec![1, 2, 3, 4]);
+    assert_eq!(copies(&s).iter().map(|c| c.3).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+    assert_eq!(s.rank_state(0).map(|r| (r.last_seq, r.last_cursor)), Some((Some(3), 4)));
+    // Cursor 5's segment is left empty (its header only), and the ones after it are gone.
+    assert_eq!(log_segments(dir.path()).len(), 5);
+    assert_eq!(std::fs::metadata(&segs[4]).unwrap().len(), 16);
+    let r = s.commit(batch(0, 4, vec![stored(Tier::Device, 0, None, &[40])])).unwrap();
+    assert_eq!((r.cursor, r.incarnation), (5, 2));
+    s.commit(batch(0, 5, vec![stored(Tier::Device, 0, None, &[50])])).unwrap();
+    drop(s);
+    // A segment begun just before a power loss, its header never written: the log ends before it.
+    let segs = log_segments(dir.path());
+    assert_eq!(segs.len(), 6);
+    std::fs::OpenOptions::new().write(true).open(&segs[5]).unwrap().set_len(0).unwrap();
+    let s = Store::open(cfg_manual(dir.path(), 100)).unwrap();
+    assert_eq!(s.newest_cursor(), 5);
+    assert_eq!(copies(&s).iter().map(|c| c.3).collect::<Vec<_>>(), vec![0, 1, 2, 3, 40]);
+    assert_eq!(log_segments(dir.path()).len(), 5);
+    // A segment of another store is refused, never cut.
+    drop(s);
+    let mut b = std::fs::read(&segs[0]).unwrap();
+    b[8] ^= 0xff;
+    std::fs::write(&segs[0], &b).unwrap();
+    let err = Store::open(cfg_manual(dir.path(), 100)).unwrap_err();
+    assert!(matches!(err, StoreError::Decode { what: "log", .. }), "{err:?}");
+    assert!(err.to_string().contains("belongs to the store of epoch"), "{err}");
 }

@@ -24,11 +24,13 @@
 //! (u64 LE), copies and block size (LEB128), the namespace when it changes, and the token ids (a
 //! LEB128 count, then each LEB128).
 
-use super::codec::{get_namespace, get_tier, put_namespace, put_tier, Reader};
+use super::codec::{decode_named, encode_named, get_namespace, get_tier, put_namespace, put_tier, Reader};
 use super::error::StoreError;
 use super::live::Live;
 use super::snapshot::{Snapshot, SnapshotBlock};
+use super::RankCursor;
 use crate::model::TokenLayout;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -46,8 +48,10 @@ const MAGIC: &[u8; 8] = b"KVRCKPT1";
 const END: &[u8; 8] = b"KVRCKEND";
 
 /// The folder of checkpoint files in a state directory.
+pub(crate) const FOLDER: &str = "checkpoints";
+
 pub(crate) fn folder(state_dir: &Path) -> PathBuf {
-    state_dir.join("checkpoints")
+    state_dir.join(FOLDER)
 }
 
 fn file(folder: &Path, id: u64) -> PathBuf {
@@ -79,7 +83,7 @@ pub(crate) fn remove(folder: &Path, id: u64) -> std::io::Result<()> {
 }
 
 /// What a checkpoint holds, and how to tell it is whole.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Default)]
 pub(crate) struct Manifest {
     pub id: u64,
     pub cursor: u64,
@@ -89,6 +93,8 @@ pub(crate) struct Manifest {
     /// Bytes of all its chunks.
     pub bytes: u64,
     pub crcs: Vec<u32>,
+    /// Where each rank's ingest stood at the cursor.
+    pub ranks: BTreeMap<u32, RankCursor>,
 }
 
 impl Manifest {
@@ -100,6 +106,13 @@ impl Manifest {
         v.extend_from_slice(&(self.crcs.len() as u32).to_be_bytes());
         for c in &self.crcs {
             v.extend_from_slice(&c.to_be_bytes());
+        }
+        v.extend_from_slice(&(self.ranks.len() as u32).to_be_bytes());
+        for (rank, row) in &self.ranks {
+            let row = encode_named(row).expect("a rank row encodes");
+            v.extend_from_slice(&rank.to_be_bytes());
+            v.extend_from_slice(&(row.len() as u32).to_be_bytes());
+            v.extend_from_slice(&row);
         }
         let crc = crc32fast::hash(&v);
         v.extend_from_slice(&crc.to_be_bytes());
@@ -120,10 +133,16 @@ impl Manifest {
             stored_already_live: r.u64_be()?,
             bytes: r.u64_be()?,
             crcs: Vec::new(),
+            ranks: BTreeMap::new(),
         };
         let n = r.u32_be()?;
         for _ in 0..n {
             m.crcs.push(r.u32_be()?);
+        }
+        for _ in 0..r.u32_be()? {
+            let rank = r.u32_be()?;
+            let len = r.u32_be()? as usize;
+            m.ranks.insert(rank, decode_named(r.take(len)?).ok()?);
         }
         r.is_empty().then_some(m)
     }
@@ -236,6 +255,7 @@ pub(crate) fn decode_chunk_into(bytes: &[u8], live: &mut Live) -> Option<u64> {
 /// ends there, its temporary file removed.
 pub(crate) fn write(
     mut snap: Snapshot,
+    ranks: BTreeMap<u32, RankCursor>,
     folder: &Path,
     id: u64,
     stop: &dyn Fn() -> bool,
@@ -252,6 +272,7 @@ pub(crate) fn write(
             cursor: snap.cursor,
             removed_not_live: snap.counts.0,
             stored_already_live: snap.counts.1,
+            ranks,
             ..Manifest::default()
         };
         for chunk in &mut snap {
@@ -411,11 +432,28 @@ mod tests {
             stored_already_live: 2,
             bytes: 99,
             crcs: vec![7, 8],
+            ranks: BTreeMap::from([
+                (0, RankCursor { last_seq: Some(5), last_ts: Some(1.5), last_cursor: 9, health: Default::default() }),
+                (
+                    3,
+                    RankCursor {
+                        last_seq: None,
+                        last_ts: None,
+                        last_cursor: 4,
+                        health: super::super::RankHealth::Degraded { reason: "gap".into() },
+                    },
+                ),
+            ]),
         };
         let mb = m.encode();
         assert_eq!(Manifest::decode(3, &mb), Some(m));
-        let mut bad = mb.clone();
-        bad[5] ^= 1;
-        assert_eq!(Manifest::decode(3, &bad), None);
+        for at in 0..mb.len() {
+            let mut bad = mb.clone();
+            bad[at] ^= 1;
+            assert_eq!(Manifest::decode(3, &bad), None, "flip at {at}");
+        }
+        for cut in 0..mb.len() {
+            assert_eq!(Manifest::decode(3, &mb[..cut]), None, "cut at {cut}");
+        }
     }
 }

@@ -1,19 +1,13 @@
-//! Byte layouts of the store's keys and values (format version [`super::FORMAT_VERSION`]; the
-//! layouts only format 1 had, read when a format-1 store is upgraded, are in `format.rs`).
+//! Byte layouts shared by the log, the checkpoints and the format-1 upgrade (format version
+//! [`super::FORMAT_VERSION`]; the layouts only format 1 had are in `format.rs`): records, rank
+//! rows, tiers and namespaces.
 //!
-//! Every integer in a key is big-endian, so sled's byte order is numeric order and a key prefix
-//! selects a range. Values are little-endian where hand-laid. Decoders never panic on short or
+//! Integers in format 1's keys are big-endian, so sled's byte order is numeric order; values are
+//! little-endian where hand-laid. Decoders never panic on short or
 //! garbled input: they return `None`, which the store reports as [`super::StoreError::Decode`].
 
 use crate::model::{Bytes, Event, KeyPart, MapParts, Namespace, Record, RecordBody, Stored, Tier};
 use serde::{Deserialize, Serialize};
-
-/// Key prefixes of the `data` tree (format 2; checkpoints add `k` and `m`, `checkpoint.rs`).
-pub(crate) const P_COUNTERS: u8 = b'C';
-/// The history: `h cursor` (the same keys and record layout as format 1).
-pub(crate) const P_HISTORY: u8 = b'h';
-/// A rank's ingest position: `R rank`, a [`super::RankCursor`].
-pub(crate) const P_RANK: u8 = b'R';
 
 /// A small reader over a byte slice.
 pub(crate) struct Reader<'a> {
@@ -122,7 +116,7 @@ pub(crate) fn get_namespace(r: &mut Reader<'_>) -> Option<Namespace> {
     Some(Namespace { lora_name, lora_id, cache_salt })
 }
 
-/// The store's running totals of the log, one key `C`: five big-endian u64s.
+/// The store's running totals of the history (in memory; an open recomputes them from the log).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct Counters {
     /// Newest committed cursor (0: none yet).
@@ -131,29 +125,6 @@ pub(crate) struct Counters {
     pub oldest: u64,
     pub hist_batches: u64,
     pub hist_bytes: u64,
-    /// Oldest cursor still on disk (0: none): at most `oldest`, lower while the newest
-    /// checkpoint does not cover the records before `oldest` yet.
-    pub kept_from: u64,
-}
-
-impl Counters {
-    pub(crate) fn encode(&self) -> Vec<u8> {
-        [self.newest, self.oldest, self.hist_batches, self.hist_bytes, self.kept_from]
-            .iter()
-            .flat_map(|x| x.to_be_bytes())
-            .collect()
-    }
-    pub(crate) fn decode(b: &[u8]) -> Option<Counters> {
-        let mut r = Reader::new(b);
-        let c = Counters {
-            newest: r.u64_be()?,
-            oldest: r.u64_be()?,
-            hist_batches: r.u64_be()?,
-            hist_bytes: r.u64_be()?,
-            kept_from: r.u64_be()?,
-        };
-        r.is_empty().then_some(c)
-    }
 }
 
 /// History records: a MessagePack array `[record, keyparts]`, both with named fields

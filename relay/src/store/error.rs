@@ -15,9 +15,11 @@ pub enum StoreError {
     /// Another process (or another `Store` in this one) has the directory open.
     #[error("store in {dir} is in use by another process")]
     Locked { dir: PathBuf },
-    /// The disk is full. The store fails; its reopen applies the writes sled may have left half
-    /// on disk whole (see the store's "A failed write").
-    #[error("disk full in {dir} during {op}: the store keeps its last durable state; free space and reopen it")]
+    /// The disk is full. What the failed write began is undone: the store stays usable, and the
+    /// write can be tried again once there is room (see the log's "A failed write").
+    #[error(
+        "disk full in {dir} during {op}: free space in the state directory (every commit before this one is kept)"
+    )]
     DiskFull { op: &'static str, dir: PathBuf },
     /// The directory cannot be written.
     #[error("store directory {dir} is read-only or not writable (during {op}): {source}")]
@@ -41,8 +43,8 @@ pub enum StoreError {
     /// A record or event the store cannot hold (for example a tier name longer than 65,535 bytes).
     #[error("cannot store this {what}: {detail}")]
     Invalid { what: &'static str, detail: String },
-    /// An earlier write failed: sled refuses further writes, and the store must be reopened
-    /// (the reopened store holds every commit before the failed one).
+    /// An earlier write or sync failed in a way only a reopen repairs: the store refuses further
+    /// writes (the reopened store holds every commit whose frame is whole on disk).
     #[error("store in {dir} failed earlier ({first}) and must be reopened")]
     Failed { dir: PathBuf, first: String },
     /// sled reported corruption or a bug.

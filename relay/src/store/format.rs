@@ -1,25 +1,28 @@
 //! The on-disk format's version, and the upgrade of a format-1 store.
 //!
-//! Format 1 kept the live set in sled, one key per live block (`l rank rgen tier tgen group
-//! hash`), with per-group totals (`s`), per-namespace counts (`n`), rank rows with generations
-//! (`r`), sweep markers (`w`) and six counters (`c`); a clear bumped a generation and left the old
-//! keys for a background sweep. Format 2 keeps the live set in memory and on disk as checkpoints
-//! (`checkpoint.rs`); its history keys (`h cursor`) and records are format 1's.
+//! Format 1 kept everything in sled: the history, one key per record (`h cursor`), and the live
+//! set, one key per live block (`l rank rgen tier tgen group hash`), with per-group totals (`s`),
+//! per-namespace counts (`n`), rank rows with generations (`r`), sweep markers (`w`) and six
+//! counters (`c`); a clear bumped a generation and left the old keys for a background sweep.
+//! Format 2 keeps the history in the log's segment files (`log.rs`; a record's bytes are format
+//! 1's), the live set in memory and on disk as checkpoints with the ranks' positions
+//! (`checkpoint.rs`), and in sled only the store's format, epoch and incarnations.
 //!
-//! [`upgrade_v1`] converts a format-1 store on its first open by a format-2 build: the live
-//! blocks under each rank's current generations become checkpoint 1 at the newest cursor, the
-//! rank rows and counters are written again in format 2's keys (`R`, `C`: format 1's stay
-//! readable until the switch), the store is flushed, and only then is the format set to 2 and
-//! flushed again. A crash before the switch leaves a format-1 store that the next open converts
-//! again; after it, format 1's keys are dead and every open removes any left ([`remove_v1`]).
-//! Epoch, incarnations, history and rank positions are kept.
+//! [`upgrade_v1`] converts a format-1 store on its first open by a format-2 build (after the
+//! redo a failed format-1 write may have left is applied): the history is written as the log,
+//! the live blocks under each rank's current generations become checkpoint 1 at the newest
+//! cursor with the rank rows' positions, both are synced, and only then is the format set to 2
+//! and flushed. A crash before the switch leaves a format-1 store that the next open converts
+//! again (a log or checkpoints a crashed upgrade left are removed first); after it, format 1's
+//! keys are dead and the open clears them. Epoch, incarnations, history and rank positions are
+//! kept.
 
-use super::checkpoint;
-use super::codec::{self, get_namespace, get_tier, Counters, Reader};
+use super::codec::{self, get_namespace, get_tier, Reader};
 use super::error::StoreError;
 use super::live::Live;
 use super::snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
 use super::RankCursor;
+use super::{checkpoint, log};
 use crate::model::{Tier, TokenLayout};
 use serde::Deserialize;
 use std::path::Path;
@@ -31,13 +34,18 @@ pub const FORMAT_VERSION: u32 = 2;
 
 const V1_COUNTERS: u8 = b'c';
 const V1_LIVE: u8 = b'l';
-const V1_NAMESPACE: u8 = b'n';
 const V1_RANK: u8 = b'r';
-const V1_SUMMARY: u8 = b's';
-const V1_SWEEP: u8 = b'w';
+const V1_HISTORY: u8 = b'h';
 
-/// Keys removed per write when clearing format 1's keys.
-const REMOVE_BATCH: usize = 4096;
+/// Records per frame when format 1's history is written as the log.
+const UPGRADE_FRAME_RECORDS: usize = 256;
+
+/// Format 1's history key: `h cursor`.
+fn history_key(cursor: u64) -> [u8; 9] {
+    let mut k = [V1_HISTORY; 9];
+    k[1..].copy_from_slice(&cursor.to_be_bytes());
+    k
+}
 
 /// A format-1 rank row: its position, and the generations its live keys were under.
 #[derive(Debug, Deserialize)]
@@ -74,7 +82,13 @@ fn decode_live_value(v: &[u8], b: &mut SnapshotBlock) -> Option<()> {
 }
 
 /// Converts the format-1 store in `data` to format 2 (see the module docs).
-pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sled::Tree) -> Result<(), StoreError> {
+pub(crate) fn upgrade_v1(
+    dir: &Path,
+    db: &sled::Db,
+    meta: &sled::Tree,
+    data: &sled::Tree,
+    segment_bytes: u64,
+) -> Result<(), StoreError> {
     let sl = |e| StoreError::sled("upgrade the store from format 1", dir, e);
     let bad = |what: &'static str, detail: String| StoreError::Decode { dir: dir.to_path_buf(), what, detail };
     let started = std::time::Instant::now();
@@ -86,7 +100,7 @@ pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sl
             *x = r.u64_be().ok_or_else(|| bad("format-1 counters", format!("{} bytes", c.len())))?;
         }
     }
-    let [newest, oldest, hist_batches, hist_bytes, removed_not_live, stored_already_live] = counters;
+    let [newest, oldest, _hist_batches, _hist_bytes, removed_not_live, stored_already_live] = counters;
     let mut rows = std::collections::BTreeMap::new();
     for kv in data.scan_prefix([V1_RANK]) {
         let (k, v) = kv.map_err(sl)?;
@@ -115,22 +129,64 @@ pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sl
         live.insert(&b);
         kept += 1;
     }
-    // Checkpoint 1 at the newest cursor, written and made durable before anything else changes.
+    // The history becomes the log, and the live set with the ranks' positions checkpoint 1 at
+    // the newest cursor, both on the disk before the format is switched.
+    let epoch = meta.get("epoch").map_err(sl)?.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok());
+    let epoch = u64::from_be_bytes(epoch.ok_or_else(|| bad("format-1 epoch", "missing".into()))?);
+    let io = |e| StoreError::io("upgrade the store from format 1", dir, e);
+    for folder in [dir.join(log::LOG_DIR), checkpoint::folder(dir)] {
+        // What an upgrade a crash interrupted left.
+        match std::fs::remove_dir_all(&folder) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(e)),
+            _ => {}
+        }
+    }
+    let first = if oldest == 0 { newest + 1 } else { oldest };
+    let mut opened = log::open(dir, epoch, segment_bytes, first)?;
+    let index = std::sync::RwLock::new(opened.index);
+    let (mut frame, mut offsets, mut next, mut records) = (Vec::new(), Vec::new(), first, 0u64);
+    let mut flush = |frame: &mut Vec<u8>, offsets: &mut Vec<(u64, u32)>, next: u64| -> Result<(), StoreError> {
+        if offsets.is_empty() {
+            return Ok(());
+        }
+        log::end_frame(frame);
+        let from = next - offsets.len() as u64;
+        opened.active.append(frame, from, offsets, &index).map_err(|(e, _)| io(e))?;
+        offsets.clear();
+        Ok(())
+    };
+    for kv in data.range(history_key(first)..) {
+        let (k, v) = kv.map_err(sl)?;
+        if k.first() != Some(&V1_HISTORY) {
+            break;
+        }
+        let cursor = k.get(1..9).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes);
+        if cursor != Some(next) || next > newest {
+            return Err(bad("format-1 history", format!("cursor {next} expected, found key {k:02x?}")));
+        }
+        if offsets.is_empty() {
+            log::begin_frame(&mut frame, next);
+        }
+        offsets.push(log::push_record(&mut frame, &v));
+        next += 1;
+        records += 1;
+        if offsets.len() >= UPGRADE_FRAME_RECORDS {
+            flush(&mut frame, &mut offsets, next)?;
+        }
+    }
+    flush(&mut frame, &mut offsets, next)?;
+    if oldest != 0 && next != newest + 1 {
+        return Err(bad("format-1 history", format!("it ends at cursor {} and the counters say {newest}", next - 1)));
+    }
+    let (files, _) = opened.active.take_unsynced();
+    for f in files {
+        f.sync_all().map_err(io)?;
+    }
+    std::fs::File::open(dir.join(log::LOG_DIR)).and_then(|d| d.sync_all()).map_err(io)?;
     let live = Arc::new(Mutex::new(live));
     let snap = Snapshot::open(&live, &SnapshotFilter::all(), 0, 0);
-    let m = checkpoint::write(snap, &checkpoint::folder(dir), 1, &|| false)?;
-    let mut batch = sled::Batch::default();
-    // Format 1 kept exactly the history on disk: the log starts where it does.
-    batch.insert(
-        &[codec::P_COUNTERS],
-        Counters { newest, oldest, hist_batches, hist_bytes, kept_from: oldest }.encode(),
-    );
-    for (rank, row) in &rows {
-        let v = codec::encode_named(&row.cursor).map_err(|detail| StoreError::Invalid { what: "rank row", detail })?;
-        batch.insert(super::rank_key(*rank), v);
-    }
-    data.apply_batch(batch).map_err(sl)?;
-    db.flush().map_err(sl)?;
+    let ranks = rows.iter().map(|(rank, row)| (*rank, row.cursor.clone())).collect();
+    let m = checkpoint::write(snap, ranks, &checkpoint::folder(dir), 1, &|| false)?;
     meta.insert("format", &FORMAT_VERSION.to_be_bytes()).map_err(sl)?;
     db.flush().map_err(sl)?;
     tracing::warn!(
@@ -138,33 +194,12 @@ pub(crate) fn upgrade_v1(dir: &Path, db: &sled::Db, meta: &sled::Tree, data: &sl
         live_blocks = kept,
         cleared_keys = dead,
         checkpoint_bytes = m.bytes,
+        history_records = records,
         newest,
         took_ms = started.elapsed().as_millis() as u64,
         "upgraded the store from format 1 to format 2"
     );
     Ok(())
-}
-
-/// Removes whatever format-1 keys are left (after an upgrade), in bounded writes.
-pub(crate) fn remove_v1(dir: &Path, data: &sled::Tree) -> Result<u64, StoreError> {
-    let sl = |e| StoreError::sled("remove format 1's keys", dir, e);
-    let mut removed = 0u64;
-    for p in [V1_COUNTERS, V1_LIVE, V1_NAMESPACE, V1_RANK, V1_SUMMARY, V1_SWEEP] {
-        loop {
-            let mut batch = sled::Batch::default();
-            let mut n = 0;
-            for kv in data.scan_prefix([p]).keys().take(REMOVE_BATCH) {
-                batch.remove(kv.map_err(sl)?);
-                n += 1;
-            }
-            if n == 0 {
-                break;
-            }
-            data.apply_batch(batch).map_err(sl)?;
-            removed += n as u64;
-        }
-    }
-    Ok(removed)
 }
 
 #[cfg(test)]

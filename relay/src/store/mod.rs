@@ -1,56 +1,44 @@
-//! The durable store: the log of committed records in sled, the live-block set in memory, and
-//! checkpoints of the live set beside the log.
+//! The durable store: the log of committed records in segment files, the live-block set in
+//! memory, and checkpoints of the live set beside the log. sled keeps the store's identity: its
+//! format version, epoch and incarnations.
 //!
 //! # Layout
-//! - `log.rs`: the history, one sled key per record, each committed group of records one sled
-//!   write; its two bounds (what subscribers resume from, what recovery needs); the commit lock.
+//! - `log.rs`: the history, appended to segment files (`log/`), each committed group of records
+//!   one frame written with one `write`; its two bounds (what subscribers resume from, what
+//!   recovery needs); the commit lock; a failed write.
 //! - `live.rs`: the live set in memory, and the journals that let snapshots copy it beside commits.
 //! - `snapshot.rs`: snapshots of the live set at one cursor, read in chunks.
-//! - `checkpoint.rs`: the live set at a cursor, written to a file beside commits; loading the
-//!   newest whole one.
+//! - `checkpoint.rs`: the live set and the ranks' positions at a cursor, written to a file beside
+//!   commits; loading the newest whole one.
 //! - `format.rs`: the on-disk format's version, and the upgrade of a format-1 store.
-//! - `redo.rs`: the writes a failed write may have left in part (see "A failed write").
+//! - `redo.rs`: format 1's redo file, applied before that store is upgraded.
 //! - `codec.rs`, `recent.rs`, `error.rs`: byte layouts, the history's tail in memory, errors.
 //!
 //! # Commit
 //! Commits are serialized by one lock ([`log::Writer`]). [`Store::commit_many`] encodes its
-//! records and writes them, with the ranks' new positions and the log's counters, as **one sled
-//! batch**: after a crash sled recovers all of it or none of it. No key is written per block: only
-//! once the write returned are the records applied to the live set in memory (under its own lock,
-//! taken inside the commit lock), then published to readers. The cost of a commit is its records'
-//! bytes, not its block operations.
+//! records into one frame and appends it to the log's active segment with one `write`: nothing is
+//! written per block, and no other file is written. Only once the write returned are the records
+//! applied to the live set in memory (under its own lock, taken inside the commit lock), then
+//! published to readers. The cost of a commit is its records' bytes, not its block operations.
 //!
 //! # Checkpoints and recovery
-//! A background thread writes the live set as a checkpoint once enough log has passed since the
-//! last ([`CheckpointPolicy`]): a snapshot at cursor C (commits pause only to register it) written
-//! as a file (`checkpoints/<id>.ckpt`: chunks, a manifest, synced and renamed), then sled flushed;
-//! only then is the previous checkpoint removed, and the log up to C may
-//! go (records past the history's bounds and at or before C are removed a bounded number per
-//! write). An open rebuilds the live set from the newest whole checkpoint and replays the log after
+//! A background thread writes the live set, with the ranks' positions, as a checkpoint once
+//! enough log has passed since the last ([`CheckpointPolicy`]): a snapshot at cursor C (commits
+//! pause only to register it) written as a file (`checkpoints/<id>.ckpt`: chunks, a manifest,
+//! synced and renamed), then the log synced; only then is the previous checkpoint removed, and
+//! the log's segments whose records are all at or before C and out of the history's bounds may
+//! go. An open rebuilds the live set from the newest whole checkpoint and replays the log after
 //! its cursor. A crash at any point of a checkpoint's write leaves the previous checkpoint, whose
 //! log was not removed.
 //!
-//! # A failed write
-//! sled does not keep a batch whole when a write fails under it: after `ENOSPC`, any part of
-//! the failed batch, and of the batches written shortly before it that its log had not written
-//! out yet, may be on disk when the store is reopened. So the store keeps in memory the batches
-//! of the log it wrote in the last [`KEEP_WRITES`]. sled writes its log out every 500 ms, and once
-//! a log write failed every later write fails: a batch older than that by the time a later write
-//! succeeded is out of danger, and is dropped then. When a write fails, the batches kept (the
-//! failed one last) become the store's *redo*: it is saved to `redo` in the state directory as
-//! soon as there is room ([`Store::save_redo`]), and the next open applies it, whole and in
-//! order, before anything else. Each batch sets keys to values (and removes keys), so applying
-//! it again over any part of itself gives its whole result: the reopened store holds every
-//! commit up to the failed one (the failed one too). Checkpoint files are not part of it: a
-//! checkpoint counts only when it reads back whole (each chunk against its CRC in the manifest),
-//! and the previous one stays until the new one and the log before it are durable.
-//!
 //! # Crash protocol
-//! Every open is a new *incarnation*, kept with the first cursor it could commit. sled makes
-//! writes durable in the background (every 500 ms, or at [`Store::flush`]), so kill -9 can lose
-//! the newest commits, and the next incarnation commits *different* records under those cursors.
-//! Each [`Record`] says which incarnation committed it; [`Store::cursor_matches`] tells a
-//! subscriber whether the cursor it holds is still the record it saw. See `docs/architecture.md`.
+//! Every open is a new *incarnation*, kept with the first cursor it could commit. A killed relay
+//! loses no commit (each frame is in the kernel once its write returned), but a power loss can
+//! lose what was not synced yet (at most [`log::SYNC_EVERY`], or since the last
+//! [`Store::flush`]): the next open cuts the log after its last whole frame, and the next
+//! incarnation commits *different* records under the cursors lost. Each [`Record`] says which
+//! incarnation committed it; [`Store::cursor_matches`] tells a subscriber whether the cursor it
+//! holds is still the record it saw. See `docs/architecture.md`.
 
 mod checkpoint;
 mod codec;
@@ -68,14 +56,14 @@ pub use recent::{Committed, RecentLimits};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
 
 use crate::model::{Event, Record, RecordBody, Tier};
-use codec::{decode_record, encode_record, Counters, P_COUNTERS, P_HISTORY, P_RANK};
+use codec::{decode_record, encode_record, Counters};
 use error::count;
 use live::Live;
-pub(crate) use log::rank_key;
-use log::{history_key, Writer};
-use redo::{apply_redo, Writes, REDO_FILE};
+use log::{LogIndex, Writer};
+use redo::{apply_redo, REDO_FILE};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
+use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
@@ -83,21 +71,14 @@ use std::thread::JoinHandle;
 use std::time::Instant;
 use tokio::sync::watch;
 
-/// How long a written batch is kept for a redo (see "A failed write"): ten times sled's
-/// interval between writes of its log.
-pub const KEEP_WRITES: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// History records a commit removes at most beyond those it trims (see `log.rs`), and per write
-/// of the checkpoint thread.
-const PRUNE_PER_COMMIT: usize = 64;
-const PRUNE_PER_WRITE: usize = 1024;
+pub use log::SYNC_EVERY;
 
 /// When the live set is checkpointed: once either much of the log has been appended since the
-/// last checkpoint began. Recovery replays at most about that much log after the checkpoint,
-/// and the log on disk holds at most about that much past the history's bounds.
+/// last checkpoint began. Recovery replays at most about that much log after the checkpoint, and
+/// the log on disk holds at most about that much past the history's bounds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct CheckpointPolicy {
-    /// Records (the default is half the default history's `max_batches`).
+    /// Records.
     pub every_records: u64,
     /// Bytes of records; at least the last checkpoint's own size is used (a checkpoint costs
     /// about what it holds, so it is written at most once per that much log).
@@ -105,8 +86,11 @@ pub struct CheckpointPolicy {
 }
 
 impl Default for CheckpointPolicy {
+    /// 50,000 records or 32 MiB: at a million live blocks (a checkpoint of about 100 MiB), the
+    /// worst replay after it is about 100 MiB of records, and checkpoints cost ingest a few
+    /// percent of a core at 1,000 batches a second (`docs/benchmarks.md`).
     fn default() -> Self {
-        CheckpointPolicy { every_records: 5_000, every_bytes: 64 << 20 }
+        CheckpointPolicy { every_records: 50_000, every_bytes: 32 << 20 }
     }
 }
 
@@ -137,6 +121,9 @@ pub struct StoreConfig {
     pub recent: RecentLimits,
     /// When the live set is checkpointed.
     pub checkpoint: CheckpointPolicy,
+    /// The log's segment size: a new segment file is begun once the active one holds this many
+    /// bytes (default 8 MiB). The log is removed a whole segment at a time.
+    pub segment_bytes: u64,
 }
 
 impl StoreConfig {
@@ -148,6 +135,7 @@ impl StoreConfig {
             cache_bytes: 64 << 20,
             recent: RecentLimits::default(),
             checkpoint: CheckpointPolicy::default(),
+            segment_bytes: 8 << 20,
         }
     }
 }
@@ -248,15 +236,18 @@ struct Checkpoints {
     running: bool,
 }
 
-/// What the checkpoint thread shares with the store.
+/// What the checkpoint and sync threads share with the store.
 struct Shared {
     dir: PathBuf,
+    /// The store's identity (format, epoch, incarnations); written only at open.
     db: sled::Db,
-    data: sled::Tree,
     epoch: u64,
     incarnation: u32,
-    /// The commit lock: every sled write (and flush) of the log goes through it, one at a time.
+    /// The commit lock: every write (and sync) of the log goes through it, one at a time.
     writer: Arc<Mutex<Writer>>,
+    /// Where each record of the log is, for readers; written under the commit lock (and by
+    /// removals of whole segments).
+    log: RwLock<LogIndex>,
     /// The live set, and the snapshots being copied from it. Taken inside the commit lock, never
     /// the other way round.
     live: Arc<Mutex<Live>>,
@@ -265,6 +256,41 @@ struct Shared {
     view: RwLock<View>,
     /// Set when the store closes: a checkpoint being written stops at its next chunk.
     closing: AtomicBool,
+}
+
+impl Shared {
+    fn failed(&self) -> bool {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner()).failed.is_some()
+    }
+
+    /// Syncs the log's active segment (the older ones were synced when they ended): every commit
+    /// so far is on the disk. Commits go on meanwhile. A failed sync fails the store.
+    fn sync_log(&self, op: &'static str) -> Result<(), StoreError> {
+        let (files, folder) = {
+            let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            w.usable(op, &self.dir)?;
+            let (files, begun) = w.log.take_unsynced();
+            (files, begun.then(|| w.log.folder().to_path_buf()))
+        };
+        let synced = files.iter().try_for_each(|f| f.sync_data()).and_then(|()| match &folder {
+            Some(folder) => File::open(folder).and_then(|d| d.sync_all()),
+            None => Ok(()),
+        });
+        synced.map_err(|e| {
+            let e = StoreError::io(op, &self.dir, e);
+            self.writer.lock().unwrap_or_else(|p| p.into_inner()).fail(op, e)
+        })
+    }
+
+    /// Removes the log's segments that neither the history nor recovery needs.
+    fn prune_log(&self) {
+        let keep = self.writer.lock().unwrap_or_else(|p| p.into_inner()).keep_from();
+        let folder = self.dir.join(log::LOG_DIR);
+        if let Err(e) = log::remove_before(keep, &self.log, &folder) {
+            // Harmless but for its space: the next open finds it and removes it then.
+            count("prune", StoreError::io("remove a log segment", &folder, e));
+        }
+    }
 }
 
 struct Inner {
@@ -278,7 +304,9 @@ struct Inner {
     newest_tx: watch::Sender<u64>,
     /// Wakes the checkpoint thread; dropped first in `Drop` so that it ends.
     checkpoint_tx: Mutex<Option<mpsc::SyncSender<()>>>,
-    checkpointer: Mutex<Option<JoinHandle<()>>>,
+    /// Dropped in `Drop` so that the sync thread ends.
+    sync_tx: Mutex<Option<mpsc::SyncSender<()>>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Drop for Inner {
@@ -286,30 +314,16 @@ impl Drop for Inner {
         let sh = &self.shared;
         sh.closing.store(true, Ordering::Relaxed);
         drop(self.checkpoint_tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        let failed = sh.writer.lock().unwrap_or_else(|p| p.into_inner()).failed.is_some();
-        if let Some(h) = self.checkpointer.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            // A failed store's checkpoint thread may wait for sled forever (see below).
-            if !failed {
-                let _ = h.join();
+        drop(self.sync_tx.lock().unwrap_or_else(|p| p.into_inner()).take());
+        for h in self.threads.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+            let _ = h.join();
+        }
+        if !sh.failed() {
+            if let Err(e) = sh.sync_log("close") {
+                tracing::error!(error = %e, "closing the store: its last commits may not be on the disk");
             }
         }
-        // After a failed write sled may never make its log stable again, and a flush (ours, or
-        // the one sled makes when its last handle goes) would wait for it forever, holding a
-        // lock every sled call in the process needs. So a failed store is left open: its handles
-        // are leaked, and the process (which must reopen the store to write again) exits with
-        // them. What the reopen finds is made whole by the redo, saved here if it was not yet.
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
-        if w.failed.is_some() {
-            if let Err(e) = w.save_redo(&sh.dir) {
-                tracing::error!(error = %e, "closing a failed store whose last writes could not be saved as its redo: \
-                    the next open may find only part of them");
-            }
-            std::mem::forget(sh.db.clone());
-            std::mem::forget(sh.data.clone());
-        } else {
-            drop(w);
-            let _ = sh.db.flush();
-        }
+        let _ = sh.db.flush();
     }
 }
 
@@ -351,19 +365,28 @@ fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, sled::Error> {
     }
 }
 
-/// Moves an unreadable sled directory aside (`unreadable-<unix ms>`), keeping it for inspection.
+/// Moves an unreadable sled directory aside (`unreadable-<unix ms>`), with the log and the
+/// checkpoints that belong to it, keeping them for inspection.
 fn set_aside(dir: &Path, sled_dir: &Path, why: &str) -> Result<(), StoreError> {
     let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
     let to = dir.join(format!("unreadable-{ms}"));
     tracing::warn!(dir = %dir.display(), moved_to = %to.display(), why, "store unreadable: starting a new one with a new epoch");
     std::fs::rename(sled_dir, &to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))?;
-    // A redo belongs to the store set aside, never to the new one.
-    match std::fs::rename(dir.join(REDO_FILE), to.join(REDO_FILE)) {
-        Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-            Err(StoreError::io("set aside an unreadable store's redo", dir, e))
+    move_files_aside(dir, &to)
+}
+
+/// Moves the files of a store other than sled's (the log, the checkpoints, a redo) into `to`.
+fn move_files_aside(dir: &Path, to: &Path) -> Result<(), StoreError> {
+    std::fs::create_dir_all(to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))?;
+    for name in [REDO_FILE, log::LOG_DIR, checkpoint::FOLDER] {
+        match std::fs::rename(dir.join(name), to.join(name)) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                return Err(StoreError::io("set aside an unreadable store's files", dir, e))
+            }
+            _ => {}
         }
-        _ => Ok(()),
     }
+    Ok(())
 }
 
 /// A tier name the checkpoints' layout cannot hold (over 65,535 bytes) is refused at commit.
@@ -382,6 +405,29 @@ fn check_tiers(body: &RecordBody) -> Result<(), StoreError> {
         }
     }
     Ok(())
+}
+
+/// The rank a record is of.
+fn rank_of(body: &RecordBody) -> u32 {
+    match body {
+        RecordBody::Batch { batch, .. } => batch.dp_rank,
+        RecordBody::Control(c) => c.dp_rank,
+    }
+}
+
+/// A rank's position after its record at `cursor`.
+fn rank_after(row: &mut RankCursor, cursor: u64, body: &RecordBody) {
+    use crate::model::ControlKind;
+    row.last_cursor = cursor;
+    match body {
+        RecordBody::Batch { batch, .. } => (row.last_seq, row.last_ts) = (Some(batch.seq), Some(batch.ts)),
+        RecordBody::Control(c) => match &c.kind {
+            ControlKind::RankReset { .. } => (row.last_seq, row.last_ts) = (None, None),
+            ControlKind::RankDegraded { reason } => row.health = RankHealth::Degraded { reason: reason.clone() },
+            ControlKind::RankIncomplete { reason } => row.health = RankHealth::Incomplete { reason: reason.clone() },
+            ControlKind::RankRecovered => row.health = RankHealth::Ok,
+        },
+    }
 }
 
 impl Store {
@@ -434,17 +480,30 @@ impl Store {
                 (db, meta, data)
             }
         };
-        apply_redo(&dir, &db, &data)?;
         if meta.get("format").map_err(sl)?.as_deref() == Some(&1u32.to_be_bytes()[..]) {
-            format::upgrade_v1(&dir, &db, &meta, &data)?;
+            apply_redo(&dir, &db, &data)?;
+            format::upgrade_v1(&dir, &db, &meta, &data, cfg.segment_bytes)?;
         }
-        let removed = format::remove_v1(&dir, &data)?;
-        if removed > 0 {
-            tracing::info!(dir = %dir.display(), keys = removed, "removed format 1's keys left after the upgrade");
+        if !data.is_empty() {
+            let keys = data.len();
+            data.clear().map_err(sl)?;
+            db.flush().map_err(sl)?;
+            tracing::info!(dir = %dir.display(), keys, "removed format 1's keys left after the upgrade");
         }
         let epoch = match meta_u64(&meta, "epoch").map_err(sl)? {
             Some(e) => e,
             None => {
+                // A new store: a log or checkpoints found here belong to another one.
+                if [log::LOG_DIR, checkpoint::FOLDER].iter().any(|n| dir.join(n).exists()) {
+                    let ms = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map(|d| d.as_millis())
+                        .unwrap_or(0);
+                    let to = dir.join(format!("unreadable-{ms}"));
+                    tracing::warn!(dir = %dir.display(), moved_to = %to.display(),
+                        "a log or checkpoints without the store they belong to: set aside");
+                    move_files_aside(&dir, &to)?;
+                }
                 let epoch = loop {
                     let e: u64 = rand::random();
                     if e != 0 {
@@ -455,21 +514,21 @@ impl Store {
                 b.insert("format", &FORMAT_VERSION.to_be_bytes());
                 b.insert("epoch", &epoch.to_be_bytes());
                 meta.apply_batch(b).map_err(sl)?;
+                db.flush().map_err(sl)?;
                 epoch
             }
         };
+        drop(data);
         let bad = |what: &'static str, detail: String| StoreError::Decode { dir: dir.clone(), what, detail };
-        let counters = match data.get([P_COUNTERS]).map_err(sl)? {
-            Some(v) => Counters::decode(&v).ok_or_else(|| bad("counters", format!("{} bytes", v.len())))?,
-            None => Counters::default(),
-        };
+        let opened = log::open(&dir, epoch, cfg.segment_bytes, 1)?;
+        let newest = opened.newest;
         let incarnation = meta.get("incarnation").map_err(sl)?.and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok());
         let incarnation = incarnation.map(u32::from_be_bytes).unwrap_or(0) + 1;
         let mut b = sled::Batch::default();
         b.insert("incarnation", &incarnation.to_be_bytes());
         let mut ikey = b"i".to_vec();
         ikey.extend_from_slice(&incarnation.to_be_bytes());
-        b.insert(ikey, &(counters.newest + 1).to_be_bytes());
+        b.insert(ikey, &(newest + 1).to_be_bytes());
         meta.apply_batch(b).map_err(sl)?;
         db.flush().map_err(sl)?;
         let mut incarnations = BTreeMap::new();
@@ -479,66 +538,59 @@ impl Store {
                 incarnations.insert(u32::from_be_bytes(i), u64::from_be_bytes(c));
             }
         }
-        let mut ranks = BTreeMap::new();
-        for kv in data.scan_prefix([P_RANK]) {
-            let (k, v) = kv.map_err(sl)?;
-            let rank = <[u8; 4]>::try_from(&k[1..]).map_err(|_| bad("rank row", format!("key {k:02x?}")))?;
-            ranks.insert(
-                u32::from_be_bytes(rank),
-                codec::decode_named::<RankCursor>(&v).map_err(|d| bad("rank row", d))?,
-            );
-        }
-        // The live set: the newest whole checkpoint, then the log after it.
+        // The live set and the ranks' positions: the newest whole checkpoint, then the log after it.
         let ckpt_dir = checkpoint::folder(&dir);
-        let (manifest, mut live) = match checkpoint::load_newest(&ckpt_dir, counters.newest)? {
+        let (manifest, mut live) = match checkpoint::load_newest(&ckpt_dir, newest)? {
             Some((m, live)) => (Some(m), live),
             None => (None, Live::default()),
         };
         let floor = manifest.as_ref().map_or(0, |m| m.cursor);
-        let from = floor + 1;
-        if from <= counters.newest && (counters.kept_from == 0 || counters.kept_from > from) {
+        let mut ranks = manifest.as_ref().map(|m| m.ranks.clone()).unwrap_or_default();
+        let index = opened.index;
+        let log_oldest = index.oldest();
+        if floor < newest && (log_oldest == 0 || log_oldest > floor + 1) {
             return Err(bad(
                 "log",
                 format!(
-                    "the live set needs the log from cursor {from} (after {}), and it starts at {}",
+                    "the live set needs the log from cursor {} (after {}), and it starts at {log_oldest}",
+                    floor + 1,
                     manifest.as_ref().map_or("no checkpoint".to_string(), |m| format!("checkpoint {}", m.id)),
-                    counters.kept_from
                 ),
             ));
         }
-        let mut sizes = VecDeque::new();
-        let scan_from = match counters.oldest {
-            0 => from,
-            o => o.min(from),
-        };
         let mut replayed = 0u64;
-        let mut expect = scan_from;
-        for kv in data.range(history_key(scan_from)..) {
-            let (k, v) = kv.map_err(sl)?;
-            if k.first() != Some(&P_HISTORY) {
-                break;
-            }
-            let cursor = k.get(1..9).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes);
-            if cursor != Some(expect) {
-                return Err(bad("log", format!("cursor {expect} expected, found key {k:02x?}")));
-            }
-            if counters.oldest != 0 && expect >= counters.oldest {
-                sizes.push_back(v.len() as u64);
-            }
-            if expect >= from {
-                let rec = decode_record(&v).map_err(|d| bad("history record", format!("cursor {expect}: {d}")))?;
-                live.apply(expect, &rec.body);
+        log::replay(
+            &index,
+            floor + 1,
+            &mut |cursor, bytes| {
+                let rec = decode_record(bytes).map_err(|d| bad("history record", format!("cursor {cursor}: {d}")))?;
+                live.apply(cursor, &rec.body);
+                rank_after(ranks.entry(rank_of(&rec.body)).or_default(), cursor, &rec.body);
                 replayed += 1;
+                Ok(())
+            },
+            &dir,
+        )?;
+        live.cursor = newest;
+        // The history: the newest records of the log within the bounds (always the newest one).
+        let all_sizes = index.sizes();
+        let mut counters = Counters { newest, ..Counters::default() };
+        if let Some(&last) = all_sizes.last() {
+            counters.hist_batches = 1;
+            counters.hist_bytes = last;
+            for &size in all_sizes.iter().rev().skip(1) {
+                if counters.hist_batches + 1 > cfg.limits.max_batches
+                    || counters.hist_bytes + size > cfg.limits.max_bytes
+                {
+                    break;
+                }
+                counters.hist_batches += 1;
+                counters.hist_bytes += size;
             }
-            expect += 1;
+            counters.oldest = newest + 1 - counters.hist_batches;
         }
-        if expect != counters.newest + 1 && counters.newest >= scan_from {
-            return Err(bad(
-                "log",
-                format!("it ends at cursor {} and the counters say {}", expect - 1, counters.newest),
-            ));
-        }
-        live.cursor = counters.newest;
+        let sizes: VecDeque<u64> =
+            all_sizes[all_sizes.len() - counters.hist_batches as usize..].iter().copied().collect();
         // Checkpoints other than the one loaded: older ones, and any a crash left half written.
         let mut next_id = manifest.as_ref().map_or(1, |m| m.id + 1);
         if let Ok((ids, other)) = checkpoint::list(&ckpt_dir) {
@@ -560,8 +612,8 @@ impl Store {
             floor,
             appended: 0,
             failed: None,
-            recent_writes: VecDeque::new(),
-            redo: None,
+            log: opened.active,
+            frame: Vec::new(),
         }));
         let checkpoints = Checkpoints {
             last: manifest.as_ref().map(|m| (m.id, m.cursor, m.bytes)),
@@ -573,33 +625,56 @@ impl Store {
         let shared = Arc::new(Shared {
             dir: dir.clone(),
             db,
-            data,
             epoch,
             incarnation,
             writer,
+            log: RwLock::new(index),
             live: Arc::new(Mutex::new(live)),
             checkpoints: Mutex::new(checkpoints),
             view: RwLock::new(View { counters, ranks }),
             closing: AtomicBool::new(false),
         });
+        shared.prune_log();
+        let spawn = |name: &str, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name.into())
+                .spawn(f)
+                .map_err(|e| StoreError::io("start the store's threads", &dir, e))
+        };
         let (tx, rx) = mpsc::sync_channel::<()>(1);
         let checkpointer = {
             let shared = shared.clone();
-            std::thread::Builder::new()
-                .name("kv-relay-store-checkpoint".into())
-                .spawn(move || {
+            spawn(
+                "kv-relay-store-checkpoint",
+                Box::new(move || {
                     while rx.recv().is_ok() {
                         run_checkpoint(&shared);
                     }
-                })
-                .map_err(|e| StoreError::io("start the checkpoint thread", &dir, e))?
+                }),
+            )?
+        };
+        let (sync_tx, sync_rx) = mpsc::sync_channel::<()>(1);
+        let syncer = {
+            let shared = shared.clone();
+            spawn(
+                "kv-relay-store-sync",
+                Box::new(move || {
+                    while let Err(mpsc::RecvTimeoutError::Timeout) = sync_rx.recv_timeout(SYNC_EVERY) {
+                        if !shared.failed() {
+                            // A failure is counted, and fails the store (see "A failed write").
+                            let _ = shared.sync_log("sync");
+                            shared.prune_log();
+                        }
+                    }
+                }),
+            )?
         };
         let (newest_tx, _) = watch::channel(counters.newest);
         let took = started.elapsed();
         metrics::histogram!("kv_relay_store_open_seconds").record(took.as_secs_f64());
         tracing::info!(
             dir = %dir.display(), epoch, incarnation, newest = counters.newest, live_blocks = blocks,
-            checkpoint = floor, replayed, took_ms = took.as_millis() as u64, "store opened"
+            checkpoint = floor, replayed, cut_bytes = opened.cut, took_ms = took.as_millis() as u64, "store opened"
         );
         Ok(Store {
             inner: Arc::new(Inner {
@@ -610,7 +685,8 @@ impl Store {
                 recent: RwLock::new(recent::Recent::new(cfg.recent)),
                 newest_tx,
                 checkpoint_tx: Mutex::new(Some(tx)),
-                checkpointer: Mutex::new(Some(checkpointer)),
+                sync_tx: Mutex::new(Some(sync_tx)),
+                threads: Mutex::new(vec![checkpointer, syncer]),
             }),
         })
     }
@@ -672,12 +748,15 @@ impl Store {
     ) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let sh = &*inner.shared;
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let w = &mut *guard;
         w.usable("commit", &sh.dir)?;
         let mut counters = w.counters;
         let mut ranks: BTreeMap<u32, RankCursor> = BTreeMap::new();
-        let mut writes: Writes = Vec::new();
         let mut added: Vec<u64> = Vec::new();
+        let mut offsets: Vec<(u64, u32)> = Vec::new();
+        let mut frame = std::mem::take(&mut w.frame);
+        log::begin_frame(&mut frame, counters.newest + 1);
         for body in bodies {
             let record = Record { cursor: counters.newest + 1, incarnation: sh.incarnation, body };
             let bytes = check_tiers(&record.body)
@@ -686,52 +765,34 @@ impl Store {
             let cursor = record.cursor;
             // Taken either way: on an error it goes back with the others.
             committed.push(Arc::new(Committed::new(record, size)));
-            let bytes = bytes.map_err(|e| count("commit", e))?;
-            let body = &committed.last().expect("just pushed").record.body;
-            let (rank, seq) = match body {
-                RecordBody::Batch { batch, .. } => (batch.dp_rank, Some((batch.seq, batch.ts))),
-                RecordBody::Control(c) => (c.dp_rank, None),
+            let bytes = match bytes {
+                Ok(b) => b,
+                Err(e) => {
+                    w.frame = frame;
+                    return Err(count("commit", e));
+                }
             };
+            let body = &committed.last().expect("just pushed").record.body;
+            let rank = rank_of(body);
             let row = ranks.entry(rank).or_insert_with(|| w.ranks.get(&rank).cloned().unwrap_or_default());
-            row.last_cursor = cursor;
-            match (body, seq) {
-                (_, Some((seq, ts))) => (row.last_seq, row.last_ts) = (Some(seq), Some(ts)),
-                (RecordBody::Control(c), None) => match &c.kind {
-                    crate::model::ControlKind::RankReset { .. } => (row.last_seq, row.last_ts) = (None, None),
-                    crate::model::ControlKind::RankDegraded { reason } => {
-                        row.health = RankHealth::Degraded { reason: reason.clone() }
-                    }
-                    crate::model::ControlKind::RankIncomplete { reason } => {
-                        row.health = RankHealth::Incomplete { reason: reason.clone() }
-                    }
-                    crate::model::ControlKind::RankRecovered => row.health = RankHealth::Ok,
-                },
-                _ => {}
-            }
+            rank_after(row, cursor, body);
             counters.newest = cursor;
             counters.hist_batches += 1;
             counters.hist_bytes += size;
             if counters.oldest == 0 {
                 counters.oldest = cursor;
             }
-            if counters.kept_from == 0 {
-                counters.kept_from = cursor;
-            }
             added.push(size);
-            writes.push((history_key(cursor).into(), Some(bytes.into())));
+            offsets.push(log::push_record(&mut frame, &bytes));
+        }
+        log::end_frame(&mut frame);
+        let written = w.log.append(&frame, w.counters.newest + 1, &offsets, &sh.log);
+        w.frame = frame;
+        if let Err((e, fatal)) = written {
+            let e = StoreError::io("commit", &sh.dir, e);
+            return Err(if fatal { w.fail("commit", e) } else { count("commit", e) });
         }
         let trimmed = log::trim(&mut counters, inner.limits, &w.sizes, &added);
-        w.prune(&mut counters, trimmed + PRUNE_PER_COMMIT, &mut writes);
-        for (rank, row) in &ranks {
-            if w.ranks.get(rank) != Some(row) {
-                let v = codec::encode_named(row).map_err(|detail| StoreError::Invalid { what: "rank row", detail })?;
-                writes.push((rank_key(*rank).into(), Some(v.into())));
-            }
-        }
-        writes.push((vec![P_COUNTERS].into(), Some(counters.encode().into())));
-        if let Err(e) = w.write(&sh.data, writes) {
-            return Err(w.fail("commit", &sh.dir, StoreError::sled("commit", &sh.dir, e)));
-        }
         // Written: apply to the live set, then publish.
         {
             let mut live = sh.live.lock().unwrap_or_else(|p| p.into_inner());
@@ -748,8 +809,12 @@ impl Store {
         w.ranks.extend(ranks);
         inner.recent.write().unwrap_or_else(|p| p.into_inner()).push(committed.iter().cloned(), counters.oldest);
         *inner.shared.view.write().unwrap_or_else(|p| p.into_inner()) = View { counters, ranks: w.ranks.clone() };
-        let due = self.checkpoint_due(&w);
-        drop(w);
+        let due = self.checkpoint_due(w);
+        let keep = w.keep_from();
+        drop(guard);
+        if sh.log.read().unwrap_or_else(|p| p.into_inner()).removable(keep) {
+            sh.prune_log();
+        }
         inner.newest_tx.send_replace(counters.newest);
         if due {
             if let Some(tx) = &*inner.checkpoint_tx.lock().unwrap_or_else(|p| p.into_inner()) {
@@ -821,28 +886,31 @@ impl Store {
         let c = self.counters();
         // The log on disk may reach further back than the history (see `log.rs`): never below it.
         let Some(from) = after.checked_add(1).map(|f| f.max(c.oldest)) else { return Ok(Vec::new()) };
-        let mut out = Vec::new();
-        for kv in self.inner.shared.data.range(history_key(from)..).take(limit) {
-            let (k, v) = kv.map_err(|e| count("history", StoreError::sled("history", dir, e)))?;
-            if k.first() != Some(&P_HISTORY) {
-                break;
-            }
-            let rec = decode_record(&v).map_err(|detail| {
-                count("history", StoreError::Decode { dir: dir.clone(), what: "history record", detail })
-            })?;
-            out.push(rec);
+        if c.oldest == 0 || from > c.newest {
+            return Ok(Vec::new());
         }
-        Ok(out)
+        let limit = limit.min((c.newest - from + 1) as usize);
+        let found = self.inner.shared.log.read().unwrap_or_else(|p| p.into_inner()).locate(from, limit);
+        let bytes = log::read_located(&found).map_err(|e| count("history", StoreError::io("history", dir, e)))?;
+        bytes
+            .iter()
+            .map(|b| {
+                decode_record(b).map_err(|detail| {
+                    count("history", StoreError::Decode { dir: dir.clone(), what: "history record", detail })
+                })
+            })
+            .collect()
     }
 
     pub fn history_stats(&self) -> HistoryStats {
         let c = self.counters();
+        let log_oldest = self.inner.shared.log.read().unwrap_or_else(|p| p.into_inner()).oldest();
         HistoryStats {
             batches: c.hist_batches,
             bytes: c.hist_bytes,
             oldest: Some(c.oldest).filter(|&o| o != 0),
             newest: c.newest,
-            log_oldest: Some(c.kept_from).filter(|&o| o != 0),
+            log_oldest: Some(log_oldest).filter(|&o| o != 0),
         }
     }
 
@@ -938,20 +1006,11 @@ impl Store {
         self.inner.incarnations.clone()
     }
 
-    /// Makes every commit so far durable (sled otherwise does it every 500 ms). Commits wait for
-    /// it. A failed flush fails the store as a failed commit does: nothing more is written (or
-    /// flushed) until it is reopened.
+    /// Makes every commit so far durable (a background thread otherwise does it every
+    /// [`SYNC_EVERY`]). Commits go on meanwhile. A failed sync fails the store: nothing more is
+    /// written until it is reopened (see `log.rs`, "A failed write").
     pub fn flush(&self) -> Result<(), StoreError> {
-        let sh = &*self.inner.shared;
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
-        w.usable("flush", &sh.dir)?;
-        match sh.db.flush() {
-            Ok(_) => {
-                w.recent_writes.clear();
-                Ok(())
-            }
-            Err(e) => Err(w.fail("flush", &sh.dir, StoreError::sled("flush", &sh.dir, e))),
-        }
+        self.inner.shared.sync_log("flush")
     }
 
     /// Writes a checkpoint now, in this thread, and waits for it (tests, `relayctl`-free tools).
@@ -971,20 +1030,19 @@ impl Store {
         checkpoint_once(sh)
     }
 
-    /// After a failed write: saves the writes the reopen must apply again (see "A failed
-    /// write") to the state directory. `Ok` when nothing is left unsaved (also when the store
-    /// never failed); an error (the disk still full) means: try again later, and do not drop
-    /// the store meanwhile, or the next open may find only part of those writes.
-    pub fn save_redo(&self) -> Result<(), StoreError> {
-        let sh = &*self.inner.shared;
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
-        w.save_redo(&sh.dir)
-    }
-
-    /// Bytes sled has on disk.
+    /// Bytes the store has on disk: sled's (the store's identity), the log's and the
+    /// checkpoints'.
     pub fn size_on_disk(&self) -> Result<u64, StoreError> {
         let sh = &*self.inner.shared;
-        sh.db.size_on_disk().map_err(|e| StoreError::sled("size on disk", &sh.dir, e))
+        let sled = sh.db.size_on_disk().map_err(|e| StoreError::sled("size on disk", &sh.dir, e))?;
+        let mut files = 0;
+        for folder in [sh.dir.join(log::LOG_DIR), checkpoint::folder(&sh.dir)] {
+            let entries = std::fs::read_dir(&folder).map_err(|e| StoreError::io("size on disk", &folder, e));
+            for e in entries?.flatten() {
+                files += e.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        Ok(sled + files)
     }
 }
 
@@ -1018,9 +1076,9 @@ fn checkpoint_once(sh: &Shared) -> Result<CheckpointState, StoreError> {
 fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
     let started = Instant::now();
     let dir = &sh.dir;
-    // The snapshot is registered under the commit lock, so the log's position and the live
-    // set's cursor are the same.
-    let (snap, id) = {
+    // The snapshot is registered under the commit lock, so the log's position, the ranks' and
+    // the live set's cursor are the same.
+    let (snap, ranks, id) = {
         let w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
         w.usable("checkpoint", dir)?;
         let snap = Snapshot::open(&sh.live, &SnapshotFilter::all(), sh.epoch, sh.incarnation);
@@ -1028,17 +1086,13 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
         c.began = (snap.cursor, w.appended);
         let id = c.next_id;
         c.next_id += 1;
-        (snap, id)
+        (snap, w.ranks.clone(), id)
     };
     let pause = snap.pause;
     let folder = checkpoint::folder(dir);
-    let m = checkpoint::write(snap, &folder, id, &|| sh.closing.load(Ordering::Relaxed))?;
-    // The log up to the checkpoint's cursor durable too: then it counts.
-    if let Err(e) = sh.db.flush() {
-        let e = StoreError::sled("checkpoint", dir, e);
-        sh.writer.lock().unwrap_or_else(|p| p.into_inner()).mark_failed(dir, &e);
-        return Err(e);
-    }
+    let m = checkpoint::write(snap, ranks, &folder, id, &|| sh.closing.load(Ordering::Relaxed))?;
+    // The log up to the checkpoint's cursor on the disk too: then it counts.
+    sh.sync_log("checkpoint")?;
     // Durable: the previous checkpoint and the log this one covers may go.
     let previous = {
         let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
@@ -1051,18 +1105,7 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
             count("checkpoint", StoreError::io("remove the previous checkpoint", &folder, e));
         }
     }
-    loop {
-        let mut w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
-        let mut counters = w.counters;
-        let mut writes = Writes::new();
-        if w.prune(&mut counters, PRUNE_PER_WRITE, &mut writes) == 0 {
-            break;
-        }
-        writes.push((vec![P_COUNTERS].into(), Some(counters.encode().into())));
-        w.write(&sh.data, writes).map_err(|e| w.fail("checkpoint", dir, StoreError::sled("checkpoint", dir, e)))?;
-        w.counters = counters;
-        sh.view.write().unwrap_or_else(|p| p.into_inner()).counters = counters;
-    }
+    sh.prune_log();
     let took = started.elapsed();
     metrics::histogram!("kv_relay_store_checkpoint_seconds").record(took.as_secs_f64());
     metrics::histogram!("kv_relay_store_snapshot_pause_seconds").record(pause.as_secs_f64());
@@ -1083,7 +1126,6 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
 mod tests {
     use super::*;
     use crate::model::{Batch, Block, Cleared, Group, Namespace, Removed, Stored, TokenLayout};
-    use redo::{decode_redo, write_redo};
 
     fn stored(hashes: &[u64]) -> Event {
         Event::Stored(Stored {
@@ -1103,40 +1145,6 @@ mod tests {
 
     fn batch(seq: u64, events: Vec<Event>) -> RecordBody {
         RecordBody::Batch { batch: Batch { dp_rank: 0, seq, ts: 0.0, events }, load: None }
-    }
-
-    #[test]
-    fn a_redo_is_applied_once_at_the_next_open_and_a_damaged_one_refused() {
-        let dir = tempfile::tempdir().unwrap();
-        let s = Store::open(StoreConfig::new(dir.path())).unwrap();
-        s.commit(batch(0, vec![stored(&[1, 2])])).unwrap();
-        drop(s);
-        let key = |k: &[u8]| sled::IVec::from(k);
-        let batches = vec![
-            vec![(key(b"x1"), Some(key(b"one"))), (key(b"x2"), Some(key(&[7u8; 300])))],
-            vec![(key(b"x1"), None), (key(b"x3"), Some(key(b"")))],
-        ];
-        write_redo(dir.path(), &batches).unwrap();
-        let redo = dir.path().join(REDO_FILE);
-        let good = std::fs::read(&redo).unwrap();
-        assert_eq!(decode_redo(&good).unwrap(), batches);
-        // Damaged: refused with the reason, and left in place.
-        for (at, why) in [(9, "checksum mismatch"), (0, "not a redo file (bad magic)")] {
-            let mut bad = good.clone();
-            bad[at] ^= 1;
-            std::fs::write(&redo, &bad).unwrap();
-            let err = Store::open(StoreConfig::new(dir.path())).unwrap_err();
-            assert!(matches!(err, StoreError::Decode { what: "redo file", .. }), "{err:?}");
-            assert!(err.to_string().contains(why), "{err}");
-            assert!(redo.exists());
-        }
-        assert_eq!(decode_redo(&good[..5]).unwrap_err(), "5 bytes, too short");
-        std::fs::write(&redo, &good).unwrap();
-        let s = Store::open(StoreConfig::new(dir.path())).unwrap();
-        assert!(!redo.exists());
-        let get = |k: &[u8]| s.inner.shared.data.get(k).unwrap().map(|v| v.to_vec());
-        assert_eq!((get(b"x1"), get(b"x2"), get(b"x3")), (None, Some(vec![7u8; 300]), Some(vec![])));
-        assert_eq!(s.newest_cursor(), 1);
     }
 
     #[test]

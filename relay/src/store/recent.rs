@@ -46,6 +46,11 @@ impl Committed {
     }
 
     /// The record's Subscribe message: `make` runs for the first caller only.
+    /// The record's encoded size in the history.
+    pub fn size(&self) -> u64 {
+        self.size
+    }
+
     pub fn subscribe_message(&self, make: impl FnOnce(&Record) -> pb::SubscribeResponse) -> &pb::SubscribeResponse {
         self.subscribe.get_or_init(|| make(&self.record))
     }

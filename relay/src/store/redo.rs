@@ -1,5 +1,8 @@
-//! The writes a failed write may have left in part: kept, saved as a *redo*, applied at the next
-//! open (see "A failed write" in `mod.rs`).
+//! Format 1's *redo*: after a failed sled write, a format-1 relay saved the batches of its last
+//! writes (which sled may have left on disk in part) to `redo` in the state directory, for its
+//! next open to apply whole. A format-1 store is upgraded only after its redo is applied
+//! ([`apply_redo`]); format 2 writes none (its log cuts a failed frame back: `log.rs`). The
+//! writing side is kept for the tests.
 //!
 //! The redo file (`redo` in the state directory): the magic, then per batch its write count (u32)
 //! and per write the key (u32 length, bytes), a byte 1 and the value (u32 length, bytes) or a byte
@@ -32,6 +35,7 @@ pub(crate) fn sled_batch(writes: &Writes) -> sled::Batch {
 /// magic, then per batch its write count (u32) and per write the key (u32 length, bytes), a
 /// byte 1 and the value (u32 length, bytes) or a byte 0 for a removal; then the CRC-32 of all
 /// that, all big-endian.
+#[cfg(test)]
 pub(crate) fn write_redo(dir: &Path, batches: &[Writes]) -> Result<(), StoreError> {
     use std::io::Write;
     let io = |e| StoreError::io("save the redo", dir, e);
@@ -46,6 +50,7 @@ pub(crate) fn write_redo(dir: &Path, batches: &[Writes]) -> Result<(), StoreErro
 }
 
 /// The redo file's bytes (format: [`write_redo`]).
+#[cfg(test)]
 fn encode_redo(batches: &[Writes]) -> Vec<u8> {
     let mut body = REDO_MAGIC.to_vec();
     for b in batches {
@@ -148,6 +153,43 @@ pub(crate) fn apply_redo(dir: &Path, db: &sled::Db, data: &sled::Tree) -> Result
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_redo_is_applied_once_and_a_damaged_one_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = sled::Config::new().path(dir.path().join("sled")).open().unwrap();
+        let data = db.open_tree("data").unwrap();
+        let key = |k: &[u8]| sled::IVec::from(k);
+        data.insert("x1", "old").unwrap();
+        let batches = vec![
+            vec![(key(b"x1"), Some(key(b"one"))), (key(b"x2"), Some(key(&[7u8; 300])))],
+            vec![(key(b"x1"), None), (key(b"x3"), Some(key(b"")))],
+        ];
+        write_redo(dir.path(), &batches).unwrap();
+        let redo = dir.path().join(REDO_FILE);
+        let good = std::fs::read(&redo).unwrap();
+        assert_eq!(decode_redo(&good).unwrap(), batches);
+        // Damaged: refused with the reason, and left in place.
+        for (at, why) in [(9, "checksum mismatch"), (0, "not a redo file (bad magic)")] {
+            let mut bad = good.clone();
+            bad[at] ^= 1;
+            std::fs::write(&redo, &bad).unwrap();
+            let err = apply_redo(dir.path(), &db, &data).unwrap_err();
+            assert!(matches!(err, StoreError::Decode { what: "redo file", .. }), "{err:?}");
+            assert!(err.to_string().contains(why), "{err}");
+            assert!(redo.exists());
+        }
+        assert_eq!(decode_redo(&good[..5]).unwrap_err(), "5 bytes, too short");
+        std::fs::write(&redo, &good).unwrap();
+        apply_redo(dir.path(), &db, &data).unwrap();
+        assert!(!redo.exists());
+        let get = |k: &[u8]| data.get(k).unwrap().map(|v| v.to_vec());
+        assert_eq!((get(b"x1"), get(b"x2"), get(b"x3")), (None, Some(vec![7u8; 300]), Some(vec![])));
+        // Applied once: nothing is left to apply.
+        data.insert("x1", "new").unwrap();
+        apply_redo(dir.path(), &db, &data).unwrap();
+        assert_eq!(get(b"x1"), Some(b"new".to_vec()));
+    }
 
     fn writes() -> impl proptest::strategy::Strategy<Value = Vec<Writes>> {
         use proptest::prelude::*;
