@@ -97,6 +97,10 @@ pub async fn run(
     let ingest = Ingest::start(&cfg.ingest, ctx, &resume, tx)?;
     let status = RelayStatusHandle::new(engine_name(&cfg));
     status.add_ranks(cfg.ingest.dp_ranks.iter().copied());
+    // Where each rank stands after a restart, before its next batch is committed.
+    for (&r, res) in &resume {
+        status.batch_committed(r, res.last_seq, 0);
+    }
     let loads: Arc<RwLock<Loads>> = Arc::default();
     let notices = notice_channel();
 

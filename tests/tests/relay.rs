@@ -23,7 +23,11 @@ struct Daemon {
 }
 
 async fn start_relay(e: &MockEngine, extra: &[&str]) -> Daemon {
-    let dir = tempfile::tempdir().unwrap();
+    start_relay_in(e, tempfile::tempdir().unwrap(), extra).await
+}
+
+/// [`start_relay`] over the state directory in `dir` (a restart when a relay used it before).
+async fn start_relay_in(e: &MockEngine, dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
     let c = e.config();
     let metrics = format!("http://{}/metrics", e.metrics_addr().unwrap());
     let state = dir.path().join("state").display().to_string();
@@ -71,9 +75,15 @@ async fn start_relay(e: &MockEngine, extra: &[&str]) -> Daemon {
 }
 
 impl Daemon {
-    async fn stop(mut self) {
+    async fn stop(self) {
+        self.stop_keeping_state().await;
+    }
+
+    /// Stops the relay and gives back its state directory.
+    async fn stop_keeping_state(mut self) -> tempfile::TempDir {
         let _ = self.shutdown.take().unwrap().send(());
         tokio::time::timeout(Duration::from_secs(15), self.task).await.unwrap().unwrap().unwrap();
+        self._dir
     }
 }
 
@@ -324,5 +334,26 @@ async fn a_cursor_older_than_the_history_gets_a_snapshot_and_rebuilds_the_engine
         apply(&mut r, m);
     }
     drop(s);
+    d.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_relay_reports_each_ranks_last_engine_seq_before_new_batches() {
+    let e = engine(2);
+    let d = start_relay(&e, &[]).await;
+    let mut client = ctl::connect(&Target { url: d.url.clone(), ..Target::default() }).await.unwrap();
+    let mut src = RandomSource::new(31, 4, 8);
+    traffic_and_settle(&e, &mut client, &mut src, 10).await;
+    let seqs = |s: &pb::StatusResponse| s.ranks.iter().map(|r| (r.dp_rank, r.last_engine_seq)).collect::<Vec<_>>();
+    let before = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
+    let want: Vec<(u32, u64)> = (0..2).map(|r| (r, e.stats(r).unwrap().next_seq - 1)).collect();
+    assert_eq!(seqs(&before), want);
+    let dir = d.stop_keeping_state().await;
+    // Restarted with the engine quiet: the status says where each rank stood, not 0.
+    let d = start_relay_in(&e, dir, &[]).await;
+    let mut client = ctl::connect(&Target { url: d.url.clone(), ..Target::default() }).await.unwrap();
+    let after = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
+    assert_eq!(after.newest_cursor, before.newest_cursor);
+    assert_eq!(seqs(&after), want);
     d.stop().await;
 }
