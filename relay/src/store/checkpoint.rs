@@ -27,6 +27,7 @@
 use super::codec::{decode_named, encode_named, get_namespace, get_tier, put_namespace, put_tier, Reader};
 use super::error::StoreError;
 use super::live::Live;
+use super::record::{get_u32, get_varint, put_varint};
 use super::snapshot::{Snapshot, SnapshotBlock};
 use super::RankCursor;
 use crate::model::TokenLayout;
@@ -146,30 +147,6 @@ impl Manifest {
         }
         r.is_empty().then_some(m)
     }
-}
-
-fn put_varint(out: &mut Vec<u8>, mut x: u64) {
-    while x >= 0x80 {
-        out.push((x as u8) | 0x80);
-        x >>= 7;
-    }
-    out.push(x as u8);
-}
-
-fn get_varint(r: &mut Reader<'_>) -> Option<u64> {
-    let mut x = 0u64;
-    for shift in (0..64).step_by(7) {
-        let b = r.u8()?;
-        x |= u64::from(b & 0x7f) << shift;
-        if b & 0x80 == 0 {
-            return Some(x);
-        }
-    }
-    None
-}
-
-fn get_u32(r: &mut Reader<'_>) -> Option<u32> {
-    u32::try_from(get_varint(r)?).ok()
 }
 
 /// One chunk's bytes.

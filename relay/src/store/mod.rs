@@ -47,6 +47,7 @@ mod format;
 mod live;
 mod log;
 mod recent;
+mod record;
 mod redo;
 mod snapshot;
 
