@@ -22,7 +22,9 @@
 //!
 //! **Place.** A shard has [`RECORDS`] records (allocated at its first crowded key: 8 KiB),
 //! two-way set associative by hash. A crowded key whose two places are taken by other keys
-//! has none until one is dropped (its key falls below [`CROWD`] slots, or stops fitting).
+//! has none until one is dropped (its key falls below [`CROWD`] slots, or stops fitting). One
+//! word per shard says which pairs of places hold a record, so that a probe of a key without
+//! one (most keys of a full table are homed in an overflowed group) reads no record's line.
 
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::OnceLock;
@@ -34,7 +36,7 @@ use super::table::{self, Probe};
 pub(super) const CROWD: usize = 8;
 /// Workers a record's bitsets cover: ids below this.
 pub(super) const WIDE: u32 = 128;
-/// Records per shard (a power of two).
+/// Records per shard (a power of two; two per bit of [`Crowds::present`]).
 const RECORDS: usize = 128;
 /// In [`Record::meta`]: the record holds a key (its tier in the low byte).
 const OWNED: u64 = 1 << 8;
@@ -124,6 +126,10 @@ struct Record {
 /// A shard's records (see the module docs).
 #[derive(Default)]
 pub(super) struct Crowds {
+    /// Bit `i`: a record of places `2i` and `2i + 1` holds a key. A lookup reads this word
+    /// (kept in cache by every probe) before a record's line, so that the probes of keys
+    /// without one cost no miss: a stale bit only sends it to the line, or to the slots.
+    present: AtomicU64,
     records: OnceLock<Box<[Record]>>,
 }
 
@@ -138,8 +144,12 @@ impl Crowds {
     /// Lock-free.
     #[inline]
     pub fn get(&self, p: &Probe) -> Option<Crowd> {
+        let places = places(p);
+        if self.present.load(Ordering::Relaxed) >> (places[0] / 2) & 1 == 0 {
+            return None;
+        }
         let records = self.records.get()?;
-        for i in places(p) {
+        for i in places {
             let r = &records[i];
             let seq = r.seq.load(Ordering::Acquire);
             if r.hash.load(Ordering::Relaxed) != p.hash {
@@ -190,6 +200,10 @@ impl Crowds {
             None => r.meta.store(0, Ordering::Relaxed),
         }
         r.seq.store(seq + 2, Ordering::Release);
+        let bit = 1 << (places(p)[0] / 2);
+        let present = self.present.load(Ordering::Relaxed);
+        let present = if owned(a) || owned(b) { present | bit } else { present & !bit };
+        self.present.store(present, Ordering::Release);
     }
 
     /// Heap bytes.
@@ -256,5 +270,13 @@ mod tests {
         assert_eq!(crowds.get(&same[2]), c(0xff_0000));
         assert_eq!(crowds.get(&same[1]), c(0xff00));
         assert_eq!(crowds.bytes(), RECORDS * 64);
+        // The pair's presence bit goes with its last record.
+        let bit = 1u64 << (places(&same[0])[0] / 2);
+        assert_eq!(crowds.present.load(Ordering::Relaxed), bit);
+        crowds.set(&same[1], None);
+        assert_eq!(crowds.present.load(Ordering::Relaxed), bit);
+        crowds.set(&same[2], None);
+        assert_eq!(crowds.present.load(Ordering::Relaxed), 0);
+        assert_eq!(crowds.get(&same[2]), None);
     }
 }
