@@ -48,6 +48,7 @@ timeout -k 30 1200 cargo test --workspace --locked || {
 step "benchmarks, quick mode (debug build; figures here are not the documented ones)"
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-relay --bench store --bench decode
 cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000
+cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000 --placement uniform --capacity 10000 --half-rate
 # The relay end to end (mock engine, kv-relay process from the build step, subscribers): ~1 min.
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 

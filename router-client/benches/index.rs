@@ -14,7 +14,11 @@
 //! workers / 2, at least 4), `--blocks N` (stop the workload after N stored blocks; 0 = the
 //! whole trace), `--lookups N` (distinct lookup requests, 20,000), `--trace FILE` (default
 //! `$KV_ROUTER_MOONCAKE`, else the repository's `testdata/mooncake/conversation_trace.jsonl`; a
-//! synthetic trace of the same shape when the file cannot be read), `--lookup-rate N` (the lookup thread beside the
+//! synthetic trace of the same shape when the file cannot be read), `--placement cost,uniform`
+//! (how requests are placed on workers, see Workload; `cost` by default; a list runs each),
+//! `--half-rate` (also time lookups beside a writer paced at half the peer's own block ops/s
+//! of the same run's back-to-back part; not `RadixTree`, which cannot be read concurrently),
+//! `--lookup-rate N` (the lookup thread beside the
 //! writers does N lookups a second instead of back to back; `RadixTree` keeps one lookup every
 //! 8 events), `--reference` (add the reference with Dynamo on),
 //! `--only NAME`, `--analyze` (instead of the comparison: the index alone on one thread, the
@@ -27,11 +31,16 @@
 //!
 //! **Workload.** The trace's requests (block ids of 512-token blocks, chained: an id stands
 //! for its whole prefix) are duplicated into `copies` disjoint id spaces (copy `c` of request
-//! `i` follows copy `c - 1`), each id mapped to a uniform 64-bit hash. A KV-aware router places
+//! `i` follows copy `c - 1`), each id mapped to a uniform 64-bit hash. With `--placement cost`
+//! (the default) a KV-aware router places
 //! each request on the worker with the lowest cost = blocks to prefill (the request's blocks
 //! minus the worker's cached prefix) + the blocks of the worker's requests among the last
 //! `2 x workers` placed (its running load), ties broken round-robin: Dynamo's default cost
-//! with overlap weight 1. Each worker is an LRU cache of `capacity` blocks: a request touches
+//! with overlap weight 1; requests sharing a prefix mostly meet on one worker. With
+//! `--placement uniform` each request goes to the worker a hash of its blocks picks, with no
+//! affinity (a router balancing load, or just started): every worker then holds every trace
+//! copy's first block, and a conversation's prefix is held by the workers of its turns.
+//! Each worker is an LRU cache of `capacity` blocks: a request touches
 //! its blocks, the blocks it lacks (a suffix: the cache stays prefix-closed) are one `stored`
 //! event (parent = the last cached block), and the least-recently-used blocks beyond capacity
 //! (deepest first among equals, as engines evict leaves first) are one `removed` event.
@@ -39,7 +48,11 @@
 //! **Measures.** Sustained block ops/s: the whole event stream applied as fast as possible
 //! by `--threads` writer threads (events of a worker stay on one thread, in order) while one
 //! more thread looks up trace requests back to back, timing each: lookup p50 / p99 are at that
-//! load. Each sample also holds what the timer itself takes (`timer_cost`, read on the same
+//! load. With `--half-rate`, each peer's part is followed by a second one in which the writers
+//! (Dynamo's: the bench thread enqueueing) apply the same stream paced at half the rate the
+//! first part measured (each event waits for its due time: its block ops so far over that
+//! rate), and lookups are timed back to back beside them: the latency a router sees at a
+//! steady load the index keeps up with. Each sample also holds what the timer itself takes (`timer_cost`, read on the same
 //! thread right after the run and printed with it, about 25-30 ns here); the latency ratios
 //! are printed as measured and net of it (both peers' percentiles less their own run's
 //! reading), since a constant added to both pulls a ratio toward 1. Dynamo's thread-pool
@@ -48,7 +61,9 @@
 //! Dynamo's `RadixTree` is single-threaded (`Rc` nodes, no concurrent reads): its one thread
 //! applies the events and does one lookup every 8 events; ops/s counts only the apply time.
 //! Memory: the allocator's live bytes after the stream, minus before the peer was built
-//! (events a peer consumes are freed by then). Per distinct block (live hashes held by any
+//! (events a peer consumes are freed by then); for `ConcurrentRadixTreeCompressed` also after
+//! the sweep of worker-less nodes it runs at most every 5 minutes (longer than a run), which
+//! the bench runs (`swept`; the ratios are given against both). Per distinct block (live hashes held by any
 //! worker) and per (worker, block) pair, both from the simulation's final state. Each peer's
 //! part of a run starts with a reading of the core (`Cores`: this machine's vCPUs are slowed
 //! from outside at times), printed with its row; the ratios are also given over the runs
@@ -98,6 +113,8 @@ struct Workload {
     workers: u32,
     requests: usize,
     ops: Vec<Op>,
+    /// Block operations before each event (`ops[i]` is due at `due[i] / rate` when paced).
+    due: Vec<u64>,
     block_ops: usize,
     stores: usize,
     hits: usize,
@@ -193,8 +210,35 @@ impl Lru {
     }
 }
 
+/// How requests are placed on workers (`--placement`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Placement {
+    /// The lowest cost: blocks to prefill plus running load (Dynamo's default).
+    Cost,
+    /// A hash of the request's blocks: no affinity.
+    Uniform,
+}
+
+impl Placement {
+    fn parse(name: &str) -> Placement {
+        match name.trim() {
+            "cost" => Placement::Cost,
+            "uniform" => Placement::Uniform,
+            other => panic!("--placement takes cost or uniform, not {other:?}"),
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Placement::Cost => "cost",
+            Placement::Uniform => "uniform",
+        }
+    }
+}
+
 fn simulate(
     trace: &[Vec<u64>],
+    placement: Placement,
     workers: u32,
     copies: u32,
     capacity: usize,
@@ -211,6 +255,7 @@ fn simulate(
         workers,
         requests: 0,
         ops: Vec::new(),
+        due: Vec::new(),
         block_ops: 0,
         stores: 0,
         hits: 0,
@@ -226,9 +271,9 @@ fn simulate(
         for copy in 0..copies {
             let blocks: Vec<u64> = ids.iter().take(capacity).map(|&id| hash(copy, id)).collect();
             let now = w.requests as u64;
-            // Route: each worker's cached prefix, from the holder bitmaps.
+            // Route: each worker's cached prefix, from the holder bitmaps (for the cost).
             matched.iter_mut().for_each(|m| *m = 0);
-            let mut mask = all;
+            let mut mask = if placement == Placement::Cost { all } else { 0 };
             for h in &blocks {
                 mask &= holders.get(h).copied().unwrap_or(0);
                 if mask == 0 {
@@ -240,10 +285,17 @@ fn simulate(
                     m &= m - 1;
                 }
             }
-            let start = (now % workers as u64) as usize;
-            let cost = |k: usize| blocks.len() - matched[k] + active[k];
-            let chosen = (0..workers as usize).map(|j| (start + j) % workers as usize).min_by_key(|&k| cost(k));
-            let chosen = chosen.expect("at least one worker");
+            let chosen = match placement {
+                Placement::Cost => {
+                    let start = (now % workers as u64) as usize;
+                    let cost = |k: usize| blocks.len() - matched[k] + active[k];
+                    let chosen = (0..workers as usize).map(|j| (start + j) % workers as usize).min_by_key(|&k| cost(k));
+                    chosen.expect("at least one worker")
+                }
+                Placement::Uniform => {
+                    (blocks.iter().fold(0x0c0f_fee5, |a, &h| splitmix(a ^ h)) % workers as u64) as usize
+                }
+            };
             recent.push_back((chosen as u32, blocks.len()));
             active[chosen] += blocks.len();
             if recent.len() > 2 * workers as usize {
@@ -265,12 +317,13 @@ fn simulate(
             }
             if first_missing < blocks.len() {
                 let stored = blocks[first_missing..].to_vec();
-                w.stores += stored.len();
-                w.block_ops += stored.len();
                 let parent = first_missing.checked_sub(1).map(|i| blocks[i]);
                 for d in first_missing.max(1)..blocks.len() {
                     w.parents.insert(blocks[d], blocks[d - 1]);
                 }
+                w.due.push(w.block_ops as u64);
+                w.stores += stored.len();
+                w.block_ops += stored.len();
                 w.ops.push(Op::Store { worker: chosen as u32, parent, hashes: stored });
             }
             let mut evicted = Vec::new();
@@ -284,6 +337,7 @@ fn simulate(
                 evicted.push(h);
             }
             if !evicted.is_empty() {
+                w.due.push(w.block_ops as u64);
                 w.block_ops += evicted.len();
                 w.ops.push(Op::Remove { worker: chosen as u32, hashes: evicted });
             }
@@ -323,6 +377,9 @@ struct Row {
     p99: Duration,
     lookups: usize,
     bytes: f64,
+    /// The compressed tree's `bytes` after its sweep of worker-less nodes (`dynamo::crtc`);
+    /// `bytes` for the others.
+    swept: f64,
     /// What the timer adds to each latency sample, read on the lookup thread right after its
     /// run (`timer_cost`).
     timer: Duration,
@@ -393,14 +450,8 @@ fn lookup_loop(w: &Workload, done: &AtomicBool, mut lookup: impl FnMut(&[u64]) -
 fn row(ops: usize, elapsed: Duration, (lat, timer): (Vec<u64>, Duration), before: usize) -> Row {
     let (p50, p99, lookups) = (pct(&lat, 0.5), pct(&lat, 0.99), lat.len());
     drop(lat);
-    Row {
-        ops_per_s: ops as f64 / elapsed.as_secs_f64(),
-        p50,
-        p99,
-        lookups,
-        bytes: ALLOCATOR.allocated().saturating_sub(before) as f64,
-        timer,
-    }
+    let bytes = ALLOCATOR.allocated().saturating_sub(before) as f64;
+    Row { ops_per_s: ops as f64 / elapsed.as_secs_f64(), p50, p99, lookups, bytes, swept: bytes, timer }
 }
 
 /// An index applied directly by writer threads (ours, and the reference behind a mutex).
@@ -448,7 +499,22 @@ impl Direct for Mutex<ReferenceIndex> {
     }
 }
 
-fn run_direct<I: Direct>(w: &Workload, threads: usize, make: impl FnOnce() -> I) -> Row {
+/// Waits until event `i` of `w` is due when the stream is paced at `pace` block ops a second
+/// from `t0` (at once when not paced). Yields the core meanwhile: the lookup thread and
+/// another writer may need it.
+fn wait_due(w: &Workload, i: usize, t0: Instant, pace: Option<f64>) {
+    let Some(rate) = pace else {
+        return;
+    };
+    let due = t0 + Duration::from_secs_f64(w.due[i] as f64 / rate);
+    while Instant::now() < due {
+        std::thread::yield_now();
+    }
+}
+
+/// One part of a run: the stream applied by `threads` writers while lookups run beside them,
+/// as fast as they can or paced at `pace` block ops a second.
+fn run_direct<I: Direct>(w: &Workload, threads: usize, pace: Option<f64>, make: impl FnOnce() -> I) -> Row {
     let before = ALLOCATOR.allocated();
     let index = make();
     let done = AtomicBool::new(false);
@@ -459,7 +525,8 @@ fn run_direct<I: Direct>(w: &Workload, threads: usize, make: impl FnOnce() -> I)
             .map(|t| {
                 let index = &index;
                 s.spawn(move || {
-                    for op in w.ops.iter().filter(|op| op.worker() as usize % threads == t) {
+                    for (i, op) in w.ops.iter().enumerate().filter(|(_, op)| op.worker() as usize % threads == t) {
+                        wait_due(w, i, t0, pace);
                         index.apply(op);
                     }
                 })
@@ -515,9 +582,10 @@ mod dynamo {
         hashes.iter().map(|&h| LocalBlockHash(h)).collect()
     }
 
-    /// `ConcurrentRadixTreeCompressed` behind `ThreadPoolIndexer` with `threads` apply threads;
+    /// `ConcurrentRadixTreeCompressed` behind `ThreadPoolIndexer` with `threads` apply threads,
+    /// its events enqueued as fast as it takes them or paced at `pace` block ops a second;
     /// lookups inline on the reader thread (as `find_matches` does).
-    pub fn crtc(w: &Workload, threads: usize) -> Row {
+    pub fn crtc(w: &Workload, threads: usize, pace: Option<f64>) -> Row {
         let queries: Vec<Vec<LocalBlockHash>> = w.lookups.iter().map(|q| query(q)).collect();
         let rt = tokio::runtime::Builder::new_current_thread().build().expect("tokio runtime");
         let before = ALLOCATOR.allocated();
@@ -535,6 +603,7 @@ mod dynamo {
             });
             let t0 = Instant::now();
             for (i, ev) in events.into_iter().enumerate() {
+                wait_due(w, i, t0, pace);
                 pool.enqueue_event(ev).expect("enqueue");
                 if i % 4096 == 4095 {
                     rt.block_on(pool.flush_and_wait()).expect("flush");
@@ -545,7 +614,12 @@ mod dynamo {
             done.store(true, Ordering::Relaxed);
             (elapsed, reader.join().expect("reader"))
         });
-        let r = row(w.block_ops, elapsed, lat, before);
+        let mut r = row(w.block_ops, elapsed, lat, before);
+        // The tree keeps nodes whose workers all left until a sweep it runs at most every 5
+        // minutes (`dynamo_kv_router::cleanup`), longer than a run: its memory is also read
+        // after that sweep, run here.
+        pool.backend().run_cleanup_task();
+        r.swept = ALLOCATOR.allocated().saturating_sub(before) as f64;
         drop(pool);
         r
     }
@@ -591,6 +665,8 @@ struct Opts {
     only: Option<String>,
     lookup_runs: Option<usize>,
     lookup_rate: u64,
+    placements: Vec<Placement>,
+    half_rate: bool,
 }
 
 impl Opts {
@@ -617,11 +693,17 @@ impl Opts {
             only: val("--only"),
             lookup_runs: val("--lookup-runs").and_then(|v| v.parse().ok()),
             lookup_rate: num("--lookup-rate", 0) as u64,
+            placements: val("--placement")
+                .map(|v| v.split(',').map(Placement::parse).collect())
+                .unwrap_or_else(|| vec![Placement::Cost]),
+            half_rate: args.iter().any(|a| a == "--half-rate"),
         }
     }
 }
 
-type Runner<'a> = (&'static str, Box<dyn Fn(&Workload) -> Row + 'a>);
+/// A peer: its name, whether its writers can be paced beside concurrent lookups
+/// (`--half-rate`), and its part of a run (the stream, unpaced or paced at a block ops rate).
+type Runner<'a> = (&'static str, bool, Box<dyn Fn(&Workload, Option<f64>) -> Row + 'a>);
 
 /// A reading of this machine's cores, taken before each peer's part of a run: how long a fixed
 /// ALU loop takes alone (`alone`, seconds, best of 3), and how much a second thread running it
@@ -887,20 +969,22 @@ fn main() {
     let threads = o.threads;
     let mut runners: Vec<Runner> = vec![(
         "index",
-        Box::new(move |w: &Workload| run_direct(w, threads, || PrefixIndex::new(IndexConfig::default()))),
+        true,
+        Box::new(move |w: &Workload, pace| run_direct(w, threads, pace, || PrefixIndex::new(IndexConfig::default()))),
     )];
     #[cfg(feature = "dynamo-bench")]
     {
-        runners.push(("dynamo-crtc", Box::new(move |w: &Workload| dynamo::crtc(w, threads))));
-        runners.push(("dynamo-radix", Box::new(dynamo::radix)));
+        runners.push(("dynamo-crtc", true, Box::new(move |w: &Workload, pace| dynamo::crtc(w, threads, pace))));
+        runners.push(("dynamo-radix", false, Box::new(|w: &Workload, _| dynamo::radix(w))));
     }
     if o.reference {
         runners.push((
             "reference",
-            Box::new(move |w: &Workload| run_direct(w, threads, || Mutex::new(ReferenceIndex::new()))),
+            true,
+            Box::new(move |w: &Workload, pace| run_direct(w, threads, pace, || Mutex::new(ReferenceIndex::new()))),
         ));
     }
-    runners.retain(|(name, _)| name == &"index" || o.only.as_deref().is_none_or(|n| n == *name));
+    runners.retain(|(name, _, _)| name == &"index" || o.only.as_deref().is_none_or(|n| n == *name));
     let (source, trace) = read_trace(o.trace.as_ref(), o.blocks);
     println!(
         "prefix index bench: trace {source} ({} requests); {} writer thread(s) + 1 lookup thread ({}); {} run(s); load average {}",
@@ -910,103 +994,139 @@ fn main() {
         o.runs,
         std::fs::read_to_string("/proc/loadavg").map(|s| s.split(' ').take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
     );
-    if std::env::args().any(|a| a == "--analyze") {
+    for &placement in &o.placements {
         for &workers in &o.workers {
             let copies = o.copies.unwrap_or((workers / 2).max(4));
-            let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);
-            println!("{workers} workers, {copies} copies: the index alone, one thread, {} run(s)", o.runs);
-            analyze(&w, o.runs, o.lookup_runs.unwrap_or(o.runs));
+            let w = simulate(&trace, placement, workers, copies, o.capacity, o.blocks, o.lookups);
+            if std::env::args().any(|a| a == "--analyze") {
+                println!(
+                    "{workers} workers, {copies} copies, {} placement: the index alone, one thread, {} run(s)",
+                    placement.name(),
+                    o.runs
+                );
+                analyze(&w, o.runs, o.lookup_runs.unwrap_or(o.runs));
+            } else {
+                compare(&o, &runners, placement, copies, &w);
+            }
         }
-        return;
     }
-    for &workers in &o.workers {
-        let copies = o.copies.unwrap_or((workers / 2).max(4));
-        let w = simulate(&trace, workers, copies, o.capacity, o.blocks, o.lookups);
-        println!(
-            "\n{} workers x {} blocks LRU, {} trace copies: {} requests, {} events, {} block ops ({} stored, {} cache hits), \
-             at the end {} distinct blocks, {} (worker, block) pairs",
-            w.workers,
-            o.capacity,
-            copies,
-            w.requests,
-            w.ops.len(),
-            w.block_ops,
-            w.stores,
-            w.hits,
-            w.distinct,
-            w.pairs
-        );
-        let mut rows: Vec<Vec<Row>> = vec![Vec::new(); runners.len()];
-        // Per run, the cores as read before each peer's part (see `Cores`).
-        let mut cores: Vec<Vec<Cores>> = Vec::new();
-        let mut best = f64::INFINITY;
-        for run in 0..o.runs {
-            let mut readings = Vec::new();
-            for (k, (name, f)) in runners.iter().enumerate() {
-                let c = Cores::read();
-                best = best.min(c.alone);
-                readings.push(c);
-                let r = f(&w);
-                println!(
-                    "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups, timer {} ns)  {:>6.1} B/distinct {:>6.1} B/pair  core {:.0} µs, x{:.2} beside",
-                    r.ops_per_s,
-                    r.p50,
-                    r.p99,
-                    r.lookups,
-                    r.timer.as_nanos(),
-                    r.bytes / w.distinct.max(1) as f64,
-                    r.bytes / w.pairs.max(1) as f64,
-                    c.alone * 1e6,
-                    c.beside,
-                );
-                rows[k].push(r);
-            }
-            cores.push(readings);
-        }
-        println!(
-            "  medians of {} run(s)   {:>12} {:>10} {:>10} {:>12} {:>10}",
-            o.runs, "ops/s", "p50", "p99", "B/distinct", "B/pair"
-        );
-        let med = |k: usize, f: &dyn Fn(&Row) -> f64| median(rows[k].iter().map(f).collect());
-        for (k, (name, _)) in runners.iter().enumerate() {
+}
+
+/// The peers' runs on one workload, and their same-run ratios.
+fn compare(o: &Opts, runners: &[Runner], placement: Placement, copies: u32, w: &Workload) {
+    println!(
+        "\n{} workers x {} blocks LRU, {} placement, {} trace copies: {} requests, {} events, {} block ops ({} stored, {} cache hits), \
+         at the end {} distinct blocks, {} (worker, block) pairs",
+        w.workers,
+        o.capacity,
+        placement.name(),
+        copies,
+        w.requests,
+        w.ops.len(),
+        w.block_ops,
+        w.stores,
+        w.hits,
+        w.distinct,
+        w.pairs
+    );
+    let mut rows: Vec<Vec<Row>> = vec![Vec::new(); runners.len()];
+    // `--half-rate`: per peer that can be paced, its paced part of each run.
+    let mut half: Vec<Vec<Row>> = vec![Vec::new(); runners.len()];
+    // Per run, the cores as read before each peer's part (see `Cores`).
+    let mut cores: Vec<Vec<Cores>> = Vec::new();
+    let mut best = f64::INFINITY;
+    for run in 0..o.runs {
+        let mut readings = Vec::new();
+        for (k, (name, paced, f)) in runners.iter().enumerate() {
+            let c = Cores::read();
+            best = best.min(c.alone);
+            readings.push(c);
+            let r = f(w, None);
             println!(
-                "  {name:<22} {:>12.0} {:>8.2}µs {:>8.2}µs {:>12.1} {:>10.1}",
-                med(k, &|r| r.ops_per_s),
-                med(k, &|r| r.p50.as_secs_f64() * 1e6),
-                med(k, &|r| r.p99.as_secs_f64() * 1e6),
-                med(k, &|r| r.bytes / w.distinct.max(1) as f64),
-                med(k, &|r| r.bytes / w.pairs.max(1) as f64),
+                "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups, timer {} ns)  {:>6.1} B/distinct {:>6.1} B/pair ({:.1} swept)  core {:.0} µs, x{:.2} beside",
+                r.ops_per_s,
+                r.p50,
+                r.p99,
+                r.lookups,
+                r.timer.as_nanos(),
+                r.bytes / w.distinct.max(1) as f64,
+                r.bytes / w.pairs.max(1) as f64,
+                r.swept / w.pairs.max(1) as f64,
+                c.alone * 1e6,
+                c.beside,
+            );
+            if o.half_rate && *paced {
+                let h = f(w, Some(r.ops_per_s / 2.0));
+                println!(
+                    "  run {run} {name:<13} {:>12.0} ops/s  lookup p50 {:>9.2?} p99 {:>9.2?} ({} lookups, timer {} ns)  writer paced at half",
+                    h.ops_per_s,
+                    h.p50,
+                    h.p99,
+                    h.lookups,
+                    h.timer.as_nanos(),
+                );
+                half[k].push(h);
+            }
+            rows[k].push(r);
+        }
+        cores.push(readings);
+    }
+    println!(
+        "  medians of {} run(s)   {:>12} {:>10} {:>10} {:>12} {:>10} {:>14} {:>14}",
+        o.runs, "ops/s", "p50", "p99", "B/distinct", "B/pair", "half-rate p50", "half-rate p99"
+    );
+    let med = |rows: &[Row], f: &dyn Fn(&Row) -> f64| median(rows.iter().map(f).collect());
+    let micros = |d: Duration| d.as_secs_f64() * 1e6;
+    for (k, (name, _, _)) in runners.iter().enumerate() {
+        let halves = match half[k].as_slice() {
+            [] => String::new(),
+            h => format!(" {:>12.2}µs {:>12.2}µs", med(h, &|r| micros(r.p50)), med(h, &|r| micros(r.p99))),
+        };
+        println!(
+            "  {name:<22} {:>12.0} {:>8.2}µs {:>8.2}µs {:>12.1} {:>10.1}{halves}",
+            med(&rows[k], &|r| r.ops_per_s),
+            med(&rows[k], &|r| micros(r.p50)),
+            med(&rows[k], &|r| micros(r.p99)),
+            med(&rows[k], &|r| r.bytes / w.distinct.max(1) as f64),
+            med(&rows[k], &|r| r.bytes / w.pairs.max(1) as f64),
+        );
+    }
+    for (k, (name, _, _)) in runners.iter().enumerate().skip(1) {
+        // Same-run ratios, median over the runs given.
+        let ratio = |rows: &[Vec<Row>], runs: &[usize], f: &dyn Fn(&Row) -> f64| {
+            median(runs.iter().map(|&i| f(&rows[0][i]) / f(&rows[k][i])).collect())
+        };
+        let all: Vec<usize> = (0..o.runs).collect();
+        println!(
+            "  index / {name}: ops/s x{:.2}, lookup p50 x{:.3}, p99 x{:.3}, memory x{:.3} (x{:.3} swept); net of the timer: p50 x{:.3}, p99 x{:.3}",
+            ratio(&rows, &all, &|r| r.ops_per_s),
+            ratio(&rows, &all, &|r| r.p50.as_secs_f64()),
+            ratio(&rows, &all, &|r| r.p99.as_secs_f64()),
+            ratio(&rows, &all, &|r| r.bytes),
+            ratio(&rows, &all, &|r| r.swept),
+            ratio(&rows, &all, &|r| r.net(r.p50).as_secs_f64()),
+            ratio(&rows, &all, &|r| r.net(r.p99).as_secs_f64()),
+        );
+        if !half[0].is_empty() && !half[k].is_empty() {
+            println!(
+                "  index / {name}, writers at half their own rate: lookup p50 x{:.3}, p99 x{:.3}; net of the timer: p50 x{:.3}, p99 x{:.3}",
+                ratio(&half, &all, &|r| r.p50.as_secs_f64()),
+                ratio(&half, &all, &|r| r.p99.as_secs_f64()),
+                ratio(&half, &all, &|r| r.net(r.p50).as_secs_f64()),
+                ratio(&half, &all, &|r| r.net(r.p99).as_secs_f64()),
             );
         }
-        for (k, (name, _)) in runners.iter().enumerate().skip(1) {
-            // Same-run ratios, median over the runs given.
-            let ratio = |runs: &[usize], f: &dyn Fn(&Row) -> f64| {
-                median(runs.iter().map(|&i| f(&rows[0][i]) / f(&rows[k][i])).collect())
-            };
-            let all: Vec<usize> = (0..o.runs).collect();
+        // The same over the runs where both parts read an undisturbed core.
+        let calm: Vec<usize> =
+            all.into_iter().filter(|&run| cores[run][0].undisturbed(best) && cores[run][k].undisturbed(best)).collect();
+        if !calm.is_empty() {
             println!(
-                "  index / {name}: ops/s x{:.2}, lookup p50 x{:.3}, p99 x{:.3}, memory x{:.3}; net of the timer: p50 x{:.3}, p99 x{:.3}",
-                ratio(&all, &|r| r.ops_per_s),
-                ratio(&all, &|r| r.p50.as_secs_f64()),
-                ratio(&all, &|r| r.p99.as_secs_f64()),
-                ratio(&all, &|r| r.bytes),
-                ratio(&all, &|r| r.net(r.p50).as_secs_f64()),
-                ratio(&all, &|r| r.net(r.p99).as_secs_f64()),
+                "  index / {name}, the {} of {} run(s) with both parts on an undisturbed core: ops/s x{:.2}, lookup p99 x{:.3}",
+                calm.len(),
+                o.runs,
+                ratio(&rows, &calm, &|r| r.ops_per_s),
+                ratio(&rows, &calm, &|r| r.p99.as_secs_f64()),
             );
-            // The same over the runs where both parts read an undisturbed core.
-            let calm: Vec<usize> = all
-                .into_iter()
-                .filter(|&run| cores[run][0].undisturbed(best) && cores[run][k].undisturbed(best))
-                .collect();
-            if !calm.is_empty() {
-                println!(
-                    "  index / {name}, the {} of {} run(s) with both parts on an undisturbed core: ops/s x{:.2}, lookup p99 x{:.3}",
-                    calm.len(),
-                    o.runs,
-                    ratio(&calm, &|r| r.ops_per_s),
-                    ratio(&calm, &|r| r.p99.as_secs_f64()),
-                );
-            }
         }
     }
 }

@@ -115,6 +115,20 @@
 //! holders are sorted by a radix sort on the worker id when there are many, and a candidate's
 //! tier runs are kept with it, so ending a candidate writes nothing else.
 //!
+//! **Crowd records: a popular block read once.** A lookup whose block is held by every worker
+//! read one slot per (worker, tier) pair: under placement that spreads prefixes (a router
+//! balancing load, or just started), every lookup's first block has a holder per worker, and
+//! a first block whose holders changed since this thread kept them was read again slot by
+//! slot. So a key with at least eight live slots, all of workers below 128 and in one tier,
+//! also has a *record* (`crowd.rs`): its holders as one 128-bit set per generation tag, on one
+//! cache line. Writers rewrite it inside every change of the key's slots (each is a crowded
+//! change, under the shard's lock); lookups read it as a seqlock (sequence even and unchanged
+//! around the read, else the slots), and take a key's holders from it instead of its slots:
+//! block 0's candidates come from one line, and a later popular block costs a bit test per
+//! candidate still going on, not a slot read per holder. Keys of other shapes (wide worker
+//! ids, several tiers, fewer holders, or their record's place taken) are read from their
+//! slots as before: a record only saves reads, it never decides what the slots would not.
+//!
 //! **Lock-free lookups.** Lookups take no lock. All slot and page words are atomics; a
 //! writer publishes a new slot's key and value before its control byte (`Release`), gives a
 //! dead slot another key only after a grace period (no lookup that saw it live is left),
@@ -194,6 +208,9 @@
 //!   take fresh pages meanwhile, so a long lookup costs a little memory, not write time).
 //! - Entries stop at 2^26 (64M (holder, block) pairs); slots created beyond have none, and
 //!   their lookups probe every block.
+//! - Crowd records cost 8 KiB per shard that has a popular key (128 records, two places per
+//!   key): a popular key whose two places are taken has none, and is read from its slots. A
+//!   change of a key with a slot outside its home group also recounts the key's slots.
 //! - Kept first-block candidates cost each lookup thread up to 64 first blocks' candidates
 //!   (about 70 to 85 bytes per holder: its candidate, 48, its entry of the prebuilt result,
 //!   and up to 16 to find it by worker id), and each slot born or dead under a key with a
@@ -203,6 +220,7 @@
 //!   lone one leaves the candidates as they are, two or more before the next lookup make it
 //!   read them again, never wrong.
 
+mod crowd;
 mod grace;
 mod ids;
 mod prefetch;
@@ -224,6 +242,7 @@ pub use ids::{IndexError, TierId, TierInterner, WorkerId, WorkerInterner};
 pub use result::{LookupResult, TierRun, WorkerMatch};
 pub use snapshot::StagedSnapshot;
 
+use crowd::Crowd;
 use grace::{Grace, ReadGuard};
 use prefetch::prefetch;
 use runs::{Cursor, Runs, WordHasher, PAGE};
@@ -429,6 +448,9 @@ struct Scratch {
     /// Holders of the blocks of the current window; block `k`'s end at `ends[k]`.
     holders: Vec<u64>,
     ends: [usize; WINDOW],
+    /// Block `k` of the current window by its crowd record, when it has one and its holders
+    /// were not listed (`PrefixIndex::gather`).
+    crowds: [Option<Crowd>; WINDOW],
     candidates: Vec<Candidate>,
     /// Indexes of the candidates whose run goes on (a block costs O(its holders + these),
     /// not O(all candidates): after a popular first block most candidates drop out at once).
@@ -1102,22 +1124,24 @@ impl PrefixIndex {
             // Read before block 0's holders, and again after (see `table`'s docs, Versions of
             // crowded keys).
             let version = table.version(&first);
-            let Scratch { memo, holders, ends, candidates, patch, caught_up, .. } = &mut *s;
+            let Scratch { memo, patch, caught_up, .. } = &mut *s;
             let kept = match memo.get_mut(&hashes[0]) {
-                Some(m) if m.is(table.id(), version, seq0) => Some(&*m),
+                Some(m) if m.is(table.id(), version, seq0) => true,
                 Some(m) => {
                     let up = self.catch_up(m, table, &first, version, seq0);
                     *caught_up += up as u64;
-                    up.then_some(&*m)
+                    up
                 }
-                None => None,
+                None => false,
             };
-            *patch = kept.is_some();
-            let block1 = if let Some(m) = kept {
+            *patch = kept;
+            let block1 = if kept {
                 // Every candidate ends at block 1 but those holding block 1 (probed now: it
                 // also gives the pairs' entries); only those are walked. `holders` is block 1's
                 // holders (none for a request of one block).
-                self.gather(tables, &hashes[1..n.min(2)], holders, ends);
+                self.gather(tables, &hashes[1..n.min(2)], true, s);
+                let Scratch { memo, holders, candidates, .. } = &mut *s;
+                let m = &memo[&hashes[0]];
                 out.clone_from(&m.result);
                 for &v in holders.iter() {
                     let worker = table::worker_of(v);
@@ -1134,7 +1158,7 @@ impl PrefixIndex {
                 candidates.dedup_by_key(|c| c.worker);
                 0..holders.len()
             } else {
-                self.gather(tables, &hashes[..n.min(2)], holders, ends);
+                self.gather(tables, &hashes[..n.min(2)], true, s);
                 self.first_block(seq0, s);
                 // Kept only if no change of the key was under way or came while its holders
                 // were read: the version was even and is still the same.
@@ -1164,8 +1188,8 @@ impl PrefixIndex {
                     if i == n {
                         break;
                     }
-                    self.gather(tables, &hashes[i..=i], &mut s.holders, &mut s.ends);
-                    if !Self::step(i, 0..s.ends[0], s) {
+                    self.gather(tables, &hashes[i..=i], false, s);
+                    if !Self::step_at(i, 0, 0..s.ends[0], s) {
                         Self::emit(n as u32, s, out);
                         return;
                     }
@@ -1176,11 +1200,11 @@ impl PrefixIndex {
                 // block while they are dropping out (block 1 after a popular block 0), as
                 // the next block may end them all.
                 let window = &hashes[i..n.min(i + if s.settled { WINDOW } else { 1 })];
-                self.gather(tables, window, &mut s.holders, &mut s.ends);
+                self.gather(tables, window, false, s);
                 let mut from = 0;
                 for k in 0..window.len() {
                     let to = s.ends[k];
-                    if !Self::step(i + k, from..to, s) {
+                    if !Self::step_at(i + k, k, from..to, s) {
                         Self::emit(n as u32, s, out);
                         return;
                     }
@@ -1322,15 +1346,23 @@ impl PrefixIndex {
     }
 
     /// Collects the holders of each block of `window` (at most [`WINDOW`]) into `holders`,
-    /// block `k`'s ending at `ends[k]`.
-    fn gather(&self, tables: &Tables, window: &[u64], holders: &mut Vec<u64>, ends: &mut [usize; WINDOW]) {
+    /// block `k`'s ending at `ends[k]`. A block with a crowd record is read from it (one line
+    /// instead of its slots): its holders are listed when `list` (the first two blocks, whose
+    /// holders make the candidates), else it is left in `crowds[k]` for [`Self::step_at`].
+    fn gather(&self, tables: &Tables, window: &[u64], list: bool, s: &mut Scratch) {
+        let Scratch { holders, ends, crowds, .. } = s;
         let probes = Self::probes(window);
         let probes = &probes[..window.len()];
         // Even for one probe: its control word and slots are separate lines, loaded together.
         Self::prefetch(tables, self.shard_mask, probes);
         holders.clear();
         for (k, p) in probes.iter().enumerate() {
-            tables[p.shard(self.shard_mask)].for_each(p, |v| holders.push(v));
+            crowds[k] = tables[p.shard(self.shard_mask)].holders(p, |v| holders.push(v));
+            if list {
+                if let Some(c) = crowds[k].take() {
+                    c.for_each(|v| holders.push(v));
+                }
+            }
             ends[k] = holders.len();
         }
     }
@@ -1358,11 +1390,42 @@ impl PrefixIndex {
         }
     }
 
+    /// Applies block `i`, the `k`-th of the window [`gather`](Self::gather) read, to the
+    /// candidates still alive: by its crowd record if it left one, else by its holders
+    /// `s.holders[holders]`. False once no candidate goes on.
+    fn step_at(i: usize, k: usize, holders: std::ops::Range<usize>, s: &mut Scratch) -> bool {
+        match s.crowds[k] {
+            Some(c) => Self::step_crowd(i, &c, s),
+            None => Self::step(i, holders, s),
+        }
+    }
+
+    /// [`step`](Self::step) for a block read from its crowd record: each alive candidate's bit
+    /// is tested (the cost of the candidates left, whatever the block's holders). The pairs
+    /// that go on have no entry (a record has none), so the next block is probed.
+    fn step_crowd(i: usize, c: &Crowd, s: &mut Scratch) -> bool {
+        let Scratch { candidates, alive, pairs, .. } = &mut *s;
+        let at = i as u32;
+        pairs.clear();
+        let bit = 1 << c.tier;
+        for &k in alive.iter() {
+            let cand = &mut candidates[k as usize];
+            if cand.worker < crowd::WIDE && c.workers[cand.tag as usize] >> cand.worker & 1 != 0 {
+                cand.seen_at = at;
+                cand.seen = bit;
+                if cand.alive & bit != 0 {
+                    pairs.push(table::NO_ENTRY);
+                }
+            }
+        }
+        Self::settle(at, s)
+    }
+
     /// Applies block `i`'s holders (`s.holders[holders]`) to the candidates still alive (dropping those whose run
     /// ended) and notes the entries of the (candidate, tier) pairs that go on; false once no
     /// candidate goes on.
     fn step(i: usize, holders: std::ops::Range<usize>, s: &mut Scratch) -> bool {
-        let Scratch { holders: all, candidates, alive, runs, pairs, orphans, settled, .. } = s;
+        let Scratch { holders: all, candidates, pairs, .. } = &mut *s;
         let holders = &all[holders];
         let at = i as u32;
         pairs.clear();
@@ -1387,6 +1450,13 @@ impl PrefixIndex {
                 }
             }
         }
+        Self::settle(i as u32, s)
+    }
+
+    /// Ends the alive candidates that did not hold block `at` (their `seen` says which tiers
+    /// did), and the tier runs of those that hold it in fewer tiers; false once none is left.
+    fn settle(at: u32, s: &mut Scratch) -> bool {
+        let Scratch { candidates, alive, runs, orphans, settled, .. } = s;
         *orphans = 0;
         let ended = runs.len();
         let before = alive.len();
@@ -1532,7 +1602,9 @@ impl PrefixIndex {
             .tables
             .load()
             .iter()
-            .map(|t| std::mem::size_of::<ShardLock>() + std::mem::size_of::<Arc<Table>>() + 16 + t.bytes())
+            .map(|t| {
+                std::mem::size_of::<ShardLock>() + std::mem::size_of::<Arc<Table>>() + 16 + t.bytes() + t.crowd_bytes()
+            })
             .sum();
         std::mem::size_of::<Self>()
             + shards
@@ -1601,6 +1673,81 @@ mod tests {
             assert_eq!(self.index.lookup(hashes), self.reference.lookup(hashes), "lookup of {hashes:?}");
             SCRATCH.with(|s| s.borrow().caught_up) - before
         }
+    }
+
+    /// The crowd record of `hash`'s key, as a lookup would read it.
+    fn crowd_of(index: &PrefixIndex, hash: u64) -> Option<crowd::Crowd> {
+        let p = Probe::new(hash);
+        index.tables.load()[p.shard(index.shard_mask)].crowd(&p)
+    }
+
+    /// A popular block's record follows every change of its holders: taken at eight slots of
+    /// workers below 128 in one tier, dropped below eight, with a second tier or a wide
+    /// worker, kept through rebuilds, and both tags' holders while a replace is under way.
+    /// Every lookup, from the record or from the slots, equals the reference's.
+    #[test]
+    fn a_popular_blocks_record_follows_every_change_of_its_holders() {
+        let mut b = Both {
+            index: PrefixIndex::new(IndexConfig { shards: 1, initial_capacity: 0 }),
+            reference: reference::ReferenceIndex::new(),
+        };
+        let s = [0x61u64, 0x62, 0x63, 0x64];
+        let record = |b: &Both| crowd_of(&b.index, s[0]).map(|c| (c.tier, c.workers));
+        for k in 0..7 {
+            b.store(k, TierId::DEVICE, &s[..1 + k as usize % 4]);
+        }
+        assert_eq!(record(&b), None, "seven holders");
+        b.store(9, TierId::DEVICE, &s);
+        assert_eq!(record(&b), Some((0, [0x27f, 0])));
+        b.look(&s);
+        let found = b.index.lookup(&s);
+        let blocks: Vec<(u32, u32)> = found.iter().map(|m| (m.worker.get(), m.blocks)).collect();
+        assert_eq!(blocks, [(0, 1), (1, 2), (2, 3), (3, 4), (4, 1), (5, 2), (6, 3), (9, 4)]);
+        // A second tier: no record; back to one: the record again.
+        b.store(4, TierId::HOST, &s[..2]);
+        assert_eq!(record(&b), None);
+        b.look(&s);
+        b.remove(4, TierId::HOST, &s[..2]);
+        assert_eq!(record(&b), Some((0, [0x27f, 0])));
+        // A worker past the bitsets' 128: no record while it holds the block.
+        b.store(128, TierId::DEVICE, &s[..3]);
+        assert_eq!(record(&b), None);
+        b.look(&s);
+        b.remove(128, TierId::DEVICE, &s[..3]);
+        b.store(127, TierId::DEVICE, &s[..3]);
+        assert_eq!(record(&b), Some((0, [0x27f | 1 << 127, 0])));
+        b.look(&s);
+        // Copies are not holders.
+        b.store(127, TierId::DEVICE, &s[..1]);
+        b.remove(127, TierId::DEVICE, &s[..1]);
+        assert_eq!(record(&b), Some((0, [0x27f | 1 << 127, 0])));
+        // Many other blocks: the table is rebuilt several times, the record stays.
+        let rebuilds = b.index.stats().rebuilds;
+        for k in 0..2_000u64 {
+            b.store(k as u32 % 16, TierId::DEVICE, &[0x1000 + k]);
+        }
+        assert!(b.index.stats().rebuilds > rebuilds);
+        assert_eq!(record(&b), Some((0, [0x27f | 1 << 127, 0])));
+        b.look(&s);
+        // A replace of worker 2: the new state under the other tag, then the old one gone.
+        let mut snap = StagedSnapshot::new();
+        snap.extend_blocks(TierId::DEVICE, &s[..2]);
+        b.index.replace_worker(WorkerId::new(2).expect("small id"), &snap);
+        b.reference.replace_worker(WorkerId::new(2).expect("small id"), &snap);
+        let tag2 = b.index.gens.load(WorkerId::new(2).expect("small id")) & 1;
+        let mut want = [0x27b | 1 << 127, 0];
+        want[tag2 as usize] |= 1 << 2;
+        assert_eq!(record(&b), Some((0, want)));
+        assert_eq!(b.index.lookup(&s).blocks(WorkerId::new(2).expect("small id")), 2);
+        b.look(&s);
+        // Below eight holders: dropped.
+        b.remove(0, TierId::DEVICE, &s[..1]);
+        want[0] &= !1;
+        assert_eq!(record(&b), Some((0, want)));
+        b.look(&s);
+        b.remove(1, TierId::DEVICE, &s[..1]);
+        assert_eq!(record(&b), None);
+        b.look(&s);
     }
 
     /// Kept candidates of a crowded first block follow a single change of its holders (a slot

@@ -76,8 +76,9 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use super::crowd::{Crowd, Crowds, Tally};
 use super::grace::Grace;
 use super::prefetch::{prefetch, prefetch_write};
 use super::Padded;
@@ -118,6 +119,8 @@ pub(super) const ENTRY_BITS: u32 = 28;
 /// The entry id of a slot without an entry.
 pub(super) const NO_ENTRY: u32 = (1 << ENTRY_BITS) - 1;
 const ENTRY: u64 = (NO_ENTRY as u64) << ENTRY_SHIFT;
+/// The entry field of a packed value without an entry.
+pub(super) const NO_ENTRY_BITS: u64 = ENTRY;
 /// Mask of the holder bits (worker, tag, tier) of a packed value.
 pub(super) const HOLDER: u64 = !(COPIES | ENTRY);
 
@@ -226,6 +229,12 @@ impl Probe {
         Self { hash, mixed: x }
     }
 
+    /// The strong mix of the hash (its bits choose the shard, group, fingerprint, version
+    /// counter and crowd record place).
+    pub fn mixed(&self) -> u64 {
+        self.mixed
+    }
+
     /// Bits 32.. choose the shard.
     pub fn shard(&self, mask: usize) -> usize {
         (self.mixed >> 32) as usize & mask
@@ -310,6 +319,9 @@ pub(super) struct Table {
     ctrl: Box<[AtomicU64]>,
     slots: Box<[Slot]>,
     counts: Padded<Counts>,
+    /// The shard's crowd records (`crowd.rs`): shared by its successive tables, as a rebuild
+    /// changes no key's holders.
+    crowds: Arc<Crowds>,
 }
 
 /// A version counter of crowded keys, and the last crowded change it counted (module docs,
@@ -364,11 +376,16 @@ impl Counts {
 impl Table {
     /// A table sized so that `live` entries fill it to about 72%.
     pub fn for_entries(live: usize) -> Self {
-        let slots = live.saturating_mul(25) / 18;
-        Self::with_groups((slots / GROUP + 1).max(MIN_GROUPS))
+        Self::sized(live, Arc::default())
     }
 
-    fn with_groups(groups: usize) -> Self {
+    /// [`Table::for_entries`] with the crowd records `crowds`.
+    fn sized(live: usize, crowds: Arc<Crowds>) -> Self {
+        let slots = live.saturating_mul(25) / 18;
+        Self::with_groups((slots / GROUP + 1).max(MIN_GROUPS), crowds)
+    }
+
+    fn with_groups(groups: usize, crowds: Arc<Crowds>) -> Self {
         Self {
             id: TABLE_IDS.fetch_add(1, Ordering::Relaxed),
             versions: (0..(groups / GROUPS_PER_VERSION).next_power_of_two().clamp(*VERSIONS.start(), *VERSIONS.end()))
@@ -377,6 +394,7 @@ impl Table {
             ctrl: (0..groups).map(|_| AtomicU64::new(EMPTY_WORD)).collect(),
             slots: (0..groups * GROUP).map(|_| Slot { key: AtomicU64::new(0), val: AtomicU64::new(0) }).collect(),
             counts: Padded::default(),
+            crowds,
         }
     }
 
@@ -435,6 +453,13 @@ impl Table {
         v.count.fetch_add(1, Ordering::SeqCst);
         fence(Ordering::Release);
         write();
+        // The key's record follows every change of a key with a record (such a change is
+        // crowded: `crowd.rs`), and a key reaching a record's shape takes one here.
+        let mut live = Tally::default();
+        self.for_each(p, |v| live.add(v));
+        if live.may_have_had_a_record() {
+            self.crowds.set(p, live.crowd());
+        }
         v.hash.store(p.hash, Ordering::Relaxed);
         v.change.store(holder & HOLDER | if born { BORN } else { 0 }, Ordering::Relaxed);
         v.count.fetch_add(1, Ordering::SeqCst);
@@ -522,6 +547,31 @@ impl Table {
             }
             g = next_group(g, groups);
         }
+    }
+
+    /// The crowd record of `p.hash` if it has one (one cache line instead of its slots), else
+    /// `f` called with every holder of `p.hash` as [`Table::for_each`] does. Only keys homed
+    /// in an overflowed group can have one. Lock-free.
+    #[inline]
+    pub fn holders(&self, p: &Probe, f: impl FnMut(u64)) -> Option<Crowd> {
+        if overflowed(self.ctrl[p.home(self.ctrl.len())].load(Ordering::Relaxed)) {
+            if let Some(c) = self.crowds.get(p) {
+                return Some(c);
+            }
+        }
+        self.for_each(p, f);
+        None
+    }
+
+    /// The crowd record of `p.hash`, if it has one (`crowd.rs`). Lock-free.
+    #[cfg(test)]
+    pub fn crowd(&self, p: &Probe) -> Option<Crowd> {
+        self.crowds.get(p)
+    }
+
+    /// Heap bytes of the shard's crowd records.
+    pub fn crowd_bytes(&self) -> usize {
+        self.crowds.bytes()
     }
 
     /// Calls `f(hash, value)` with every live slot. Lock-free, like [`Table::for_each`]: a slot
@@ -872,7 +922,7 @@ impl Table {
     /// Caller holds the shard's mutex (so nothing changes while copying).
     pub fn rebuilt(&self, extra: usize) -> Table {
         let live = self.live();
-        let next = Table::for_entries(live + extra);
+        let next = Table::sized(live + extra, self.crowds.clone());
         self.for_each_entry(|key, v| next.place(&Probe::new(key), v));
         debug_assert_eq!(next.live(), live);
         next

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::{IndexConfig, PrefixIndex, StagedSnapshot, TierId};
 
-use crate::util::{churn, seq, w};
+use crate::util::{churn, held_by, seq, w};
 
 #[test]
 fn lookups_during_snapshot_swaps_see_one_whole_state() {
@@ -199,4 +199,37 @@ fn writers_of_different_workers_on_the_same_shards_leave_the_index_exact() {
         let request = seq(root, 48);
         assert_eq!(index.lookup(&request), reference.lookup(&request), "lookup of chain {root}");
     }
+}
+
+/// Holders of a popular prefix come and go (its blocks' crowd records are rewritten under the
+/// lookups), one static holder's second tier comes and goes (its first block's record is
+/// dropped and taken again), and other blocks make the tables grow and rebuild: every static
+/// holder's match stays exact, and the churning ones never match past what they store.
+#[test]
+fn a_popular_prefix_stays_exact_while_its_records_change_under_lookups() {
+    let s = seq(4, 6);
+    let index = held_by(10, &s);
+    let writer = churn({
+        let index = index.clone();
+        let s = s.clone();
+        move |i| {
+            let worker = w(20 + (i % 100) as u32);
+            index.store(worker, TierId::DEVICE, &s[..3]);
+            if i % 7 == 0 {
+                index.store(w(3), TierId::HOST, &s[..1]);
+                index.remove(w(3), TierId::HOST, &s[..1]);
+            }
+            index.remove(worker, TierId::DEVICE, &s[..3]);
+            index.store(worker, TierId::DEVICE, &[0x5000 + i % 3000]);
+        }
+    });
+    for _ in 0..20_000 {
+        let r = index.lookup(&s);
+        for k in 0..10u32 {
+            let m = r.get(w(k)).expect("a static holder");
+            assert_eq!((m.blocks, m.tier(TierId::DEVICE)), (6, 6), "static worker {k}");
+        }
+        assert!(r.iter().all(|m| m.worker.get() < 10 || m.blocks <= 3));
+    }
+    writer.stop();
 }

@@ -2,6 +2,7 @@
 //! lookups that follow stored runs, and lookups racing snapshot swaps.
 
 mod concurrency;
+mod crowd;
 mod memo;
 mod random;
 mod rules;

@@ -3,11 +3,9 @@
 //! that matters and check each following lookup against the reference: a kept answer must
 //! never outlive a change.
 
-use std::sync::Arc;
+use kv_router_client::index::{IndexConfig, StagedSnapshot, TierId};
 
-use kv_router_client::index::{IndexConfig, PrefixIndex, StagedSnapshot, TierId};
-
-use crate::util::{churn, seq, w, Pair};
+use crate::util::{churn, held_by, seq, w, Pair};
 
 fn pair() -> Pair {
     Pair::new(IndexConfig { shards: 4, initial_capacity: 0 })
@@ -86,10 +84,7 @@ fn two_indexes_in_one_thread_never_share_kept_candidates() {
 #[test]
 fn kept_candidates_stay_exact_while_a_crowded_first_block_churns() {
     let s = seq(3, 5);
-    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
-    for k in 0..20u32 {
-        index.store(w(k), TierId::DEVICE, &s);
-    }
+    let index = held_by(20, &s);
     let writer = {
         let index = index.clone();
         let s = s.clone();

@@ -109,6 +109,15 @@ impl Pair {
     }
 }
 
+/// An index of two shards in which workers `0..n` hold all of `s` in the device tier.
+pub fn held_by(n: u32, s: &[u64]) -> Arc<PrefixIndex> {
+    let index = Arc::new(PrefixIndex::new(IndexConfig { shards: 2, initial_capacity: 0 }));
+    for k in 0..n {
+        index.store(w(k), TierId::DEVICE, s);
+    }
+    index
+}
+
 /// A writer thread calling `write(0)`, `write(1)`, .. until [`Churn::stop`].
 pub struct Churn {
     stop: Arc<AtomicBool>,
