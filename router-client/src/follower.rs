@@ -23,6 +23,7 @@ use tonic::Code;
 
 use crate::admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
 use crate::backoff::{Backoff, BackoffConfig};
+use crate::discovery::{DiscoveryCounters, DiscoveryStats};
 use crate::error::{ClientError, StreamError};
 use crate::index::{IndexConfig, PrefixIndex};
 use crate::worker::{Load, WorkerInfo, WorkerState};
@@ -150,6 +151,8 @@ struct Shared {
     /// Counters of relays removed, so totals never go down.
     removed: Mutex<RelayCounters>,
     events: broadcast::Sender<ClientEvent>,
+    /// Counted by [`crate::discovery::Discovery`] when it drives this follower.
+    discovery: DiscoveryStats,
 }
 
 struct Task {
@@ -194,6 +197,7 @@ impl Follower {
                 relays: RwLock::new(BTreeMap::new()),
                 removed: Mutex::new(RelayCounters::default()),
                 events,
+                discovery: DiscoveryStats::default(),
             }),
             tasks: Arc::new(Tasks(Mutex::new(BTreeMap::new()))),
         }
@@ -207,6 +211,17 @@ impl Follower {
     /// The prefix index the follower keeps.
     pub fn index(&self) -> &PrefixIndex {
         &self.shared.index
+    }
+
+    /// The counters of the [`crate::discovery::Discovery`] driving this follower (all 0 without
+    /// one).
+    pub fn discovery_counters(&self) -> DiscoveryCounters {
+        self.shared.discovery.get()
+    }
+
+    /// Where a [`crate::discovery::Discovery`] driving this follower counts.
+    pub fn discovery_stats(&self) -> &DiscoveryStats {
+        &self.shared.discovery
     }
 
     /// Rank events, snapshots, gaps, connects and disconnects, as they happen. An event is sent
@@ -353,6 +368,11 @@ impl Follower {
         let hashes = block_event_hashes(engine, request)?;
         Ok(self.match_blocks(&hashes))
     }
+}
+
+/// Checks that `url` is one [`Follower::add_relay`] takes (`http://` or `https://`, a valid URI).
+pub fn validate_url(url: &str) -> Result<(), ClientError> {
+    endpoint(url, &FollowConfig::default()).map(drop)
 }
 
 fn endpoint(url: &str, cfg: &FollowConfig) -> Result<Endpoint, ClientError> {

@@ -218,6 +218,24 @@ pub fn prometheus_text(f: &Follower) -> String {
     for (name, help, v) in counters {
         write_counter(&mut out, &format!("kv_router_{name}_total"), help, v);
     }
+    let d = f.discovery_counters();
+    let discovery: [(&str, &str, u64); 4] = [
+        ("dns_errors", "Resolutions of the relays' DNS names that failed (relays were kept).", d.dns_errors),
+        (
+            "file_errors",
+            "Reads of the relays file that failed or found an invalid line (relays were kept).",
+            d.file_errors,
+        ),
+        ("relays_added", "Relays added by discovery (DNS names, the relays file, fixed URLs).", d.added),
+        (
+            "relays_removed",
+            "Relays removed by discovery (gone from the file, or from DNS past the grace period).",
+            d.removed,
+        ),
+    ];
+    for (name, help, v) in discovery {
+        write_counter(&mut out, &format!("kv_router_discovery_{name}_total"), help, v);
+    }
     let workers = f.workers();
     let _ = writeln!(out, "# HELP kv_router_workers Workers by state.\n# TYPE kv_router_workers gauge");
     for s in WorkerState::ALL {

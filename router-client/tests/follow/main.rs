@@ -3,6 +3,7 @@
 
 mod admission;
 mod daemon;
+mod discovery;
 mod fixtures;
 mod relay;
 mod scripted;

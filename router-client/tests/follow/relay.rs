@@ -117,7 +117,7 @@ impl Traffic {
     }
 }
 
-fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
+pub(crate) fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
     let mut cfg = StoreConfig::new(dir);
     cfg.limits = limits;
     cfg.cache_bytes = 4 << 20;
@@ -135,15 +135,15 @@ fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
     }
 }
 
-struct Server {
-    addr: SocketAddr,
+pub(crate) struct Server {
+    pub(crate) addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
 
 impl Server {
     /// Serves `store` on `addr` (or a new port), retrying the bind while the old socket closes.
-    async fn start(store: &Store, addr: Option<SocketAddr>) -> Server {
+    pub(crate) async fn start(store: &Store, addr: Option<SocketAddr>) -> Server {
         let deadline = tokio::time::Instant::now() + T;
         let listener = loop {
             match tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap())).await {
@@ -170,17 +170,17 @@ impl Server {
         Server { addr, stop: Some(stop), task }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         tokio::time::timeout(T, self.task).await.expect("server stops in time").unwrap();
     }
 }
 
-fn follow_cfg() -> FollowConfig {
+pub(crate) fn follow_cfg() -> FollowConfig {
     FollowConfig {
         backoff: BackoffConfig {
             initial: Duration::from_millis(20),
@@ -210,7 +210,7 @@ async fn caught_up(f: &Follower, url: &str, store: &Store) -> RelayInfo {
     }
 }
 
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + T;
     while !cond() {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
