@@ -30,6 +30,13 @@ pub struct Args {
     /// record that comes back sooner keeps its relay and index. Failed resolutions never drop.
     #[arg(long, default_value_t = 30000)]
     pub dns_grace_ms: u64,
+    /// At most this many relays are resynced (snapshots pulled) at once; the others wait, their
+    /// workers `syncing` and left out of /match.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub max_concurrent_resyncs: u64,
+    /// Each relay's first connection waits a random delay up to this long (milliseconds).
+    #[arg(long, default_value_t = 500)]
+    pub start_jitter_ms: u64,
     /// Where the HTTP API listens.
     #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,

@@ -242,6 +242,15 @@ pub fn prometheus_text(f: &Follower) -> String {
         let n = workers.iter().filter(|w| w.state == s).count();
         let _ = writeln!(out, "kv_router_workers{{state=\"{}\"}} {n}", s.as_str());
     }
+    let slots = f.resync_slots();
+    let gauges: [(&str, &str, usize); 3] = [
+        ("resyncs_in_flight", "Relays being resynced now (Subscribe sent, not yet past a snapshot).", slots.in_flight),
+        ("resyncs_waiting", "Relays waiting for a resync slot.", slots.waiting),
+        ("resyncs_limit", "The bound on relays resynced at once (--max-concurrent-resyncs).", slots.limit),
+    ];
+    for (name, help, v) in gauges {
+        let _ = writeln!(out, "# HELP kv_router_{name} {help}\n# TYPE kv_router_{name} gauge\nkv_router_{name} {v}");
+    }
     let relays = f.relays();
     let _ = writeln!(out, "# HELP kv_router_relay_connected Whether a stream to the relay is open.");
     let _ = writeln!(out, "# TYPE kv_router_relay_connected gauge");

@@ -33,5 +33,5 @@ pub mod worker;
 pub use admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
 pub use discovery::{Discovery, DnsName};
 pub use error::{ClientError, StreamError};
-pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo};
+pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo, ResyncSlots};
 pub use worker::{Load, WorkerInfo, WorkerState};

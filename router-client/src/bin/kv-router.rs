@@ -47,6 +47,8 @@ fn config(args: Args) -> anyhow::Result<Config> {
         receive_timeout: Duration::from_millis(args.receive_timeout_ms.max(1)),
         bearer_token: args.relay_token,
         tls_ca_pem,
+        max_concurrent_resyncs: args.max_concurrent_resyncs as usize,
+        start_jitter: Duration::from_millis(args.start_jitter_ms),
         ..FollowConfig::default()
     };
     Ok(Config {

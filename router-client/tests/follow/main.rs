@@ -7,4 +7,5 @@ mod discovery;
 mod fixtures;
 mod relay;
 mod scripted;
+mod storm;
 mod util;

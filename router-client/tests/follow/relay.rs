@@ -473,7 +473,7 @@ async fn cursor_trimmed_from_the_history_resyncs_by_snapshot() {
 }
 
 /// One HTTP/1.1 exchange; returns (status, body).
-async fn http_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+pub(crate) async fn http_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\
