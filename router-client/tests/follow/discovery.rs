@@ -269,3 +269,24 @@ async fn a_follower_follows_the_relays_its_name_resolves_to() {
     follower.shutdown().await;
     server.stop().await;
 }
+
+/// The Kubernetes example's arguments are ones `kv-router` takes, its name one `NAME:PORT`.
+#[test]
+fn the_kubernetes_example_parses() {
+    use clap::Parser as _;
+    let manifest =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kubernetes/kv-router.yaml")).unwrap();
+    let args: Vec<String> = manifest
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("- --"))
+        .map(|a| format!("--{}", a.replace("$(POD_NAMESPACE)", "inference")))
+        .collect();
+    assert_eq!(args.len(), 4, "{args:?}");
+    let parsed =
+        kv_router_client::cli::Args::try_parse_from(std::iter::once("kv-router".to_string()).chain(args)).unwrap();
+    assert_eq!(
+        parsed.relays_dns,
+        [DnsName { name: "vllm-llama-kv-relay.inference.svc.cluster.local.".into(), port: 50051 }]
+    );
+    assert_eq!((parsed.dns_interval_ms, parsed.dns_grace_ms), (5000, 30000));
+}
