@@ -5,6 +5,7 @@ mod admission;
 mod daemon;
 mod discovery;
 mod fixtures;
+mod fleet;
 mod relay;
 mod scripted;
 mod storm;

@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use kv_relay::model::{Batch, Block, Control, ControlKind, Event, Group, Load, Namespace, Record, RecordBody};
 use kv_relay::model::{Removed, Stored, Tier, TokenLayout};
-use kv_relay::server::{notice_channel, serve, RelayStatusHandle, ServerConfig};
 use kv_relay::store::{HistoryLimits, SnapshotFilter, Store, StoreConfig};
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_router_client::backoff::BackoffConfig;
@@ -144,29 +143,8 @@ pub(crate) struct Server {
 impl Server {
     /// Serves `store` on `addr` (or a new port), retrying the bind while the old socket closes.
     pub(crate) async fn start(store: &Store, addr: Option<SocketAddr>) -> Server {
-        let deadline = tokio::time::Instant::now() + T;
-        let listener = loop {
-            match tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap())).await {
-                Ok(l) => break l,
-                Err(e) if tokio::time::Instant::now() < deadline => {
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("bind: {e}"),
-            }
-        };
-        let addr = listener.local_addr().unwrap();
-        let cfg = ServerConfig {
-            rate_per_second: 10_000,
-            rate_burst: 10_000,
-            shutdown_grace: Duration::from_millis(200),
-            ..ServerConfig::default()
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let fut = serve(cfg, store.clone(), RelayStatusHandle::new("test-engine"), notice_channel(), listener, async {
-            let _ = stopped.await;
-        });
-        let task = tokio::spawn(async move { fut.await.expect("serve") });
+        let addr = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
+        let (addr, stop, task) = kv_relay_testkit::fleet::serve_store(store, addr).await;
         Server { addr, stop: Some(stop), task }
     }
 
