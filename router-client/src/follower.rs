@@ -67,6 +67,7 @@ pub struct FollowConfig {
     /// At most this many relays are resynced at once (from their Subscribe until their first
     /// message outside a snapshot); the others wait, their workers [`WorkerState::Syncing`].
     /// Bounds the snapshots a starting router (or one back from a partition) pulls at once.
+    /// 0 is taken as 1.
     pub max_concurrent_resyncs: usize,
     /// A relay's first connection waits a random delay up to this long, so that a router
     /// started with many relays does not open every connection in the same instant.
@@ -218,7 +219,7 @@ impl Follower {
     pub fn new(cfg: FollowConfig) -> Self {
         let (events, _) = broadcast::channel(cfg.events_capacity.max(1));
         let index = PrefixIndex::new(cfg.index);
-        let slots = cfg.max_concurrent_resyncs.max(1);
+        let slots = resync_limit(&cfg);
         Follower {
             shared: Arc::new(Shared {
                 cfg,
@@ -246,7 +247,7 @@ impl Follower {
 
     /// How many relays are being resynced, and how many wait for a slot.
     pub fn resync_slots(&self) -> ResyncSlots {
-        let limit = self.shared.cfg.max_concurrent_resyncs.max(1);
+        let limit = resync_limit(&self.shared.cfg);
         ResyncSlots {
             limit,
             in_flight: limit - self.shared.resyncs.available_permits(),
@@ -412,6 +413,11 @@ impl Follower {
         let hashes = block_event_hashes(engine, request)?;
         Ok(self.match_blocks(&hashes))
     }
+}
+
+/// The resync bound in effect: at least 1, at most what a semaphore holds.
+fn resync_limit(cfg: &FollowConfig) -> usize {
+    cfg.max_concurrent_resyncs.clamp(1, Semaphore::MAX_PERMITS)
 }
 
 /// Checks that `url` is one [`Follower::add_relay`] takes (`http://` or `https://`, a valid URI).

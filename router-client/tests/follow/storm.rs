@@ -148,6 +148,13 @@ async fn no_more_than_the_bound_of_relays_resync_at_once() {
 }
 
 #[tokio::test]
+async fn a_resync_bound_of_0_is_1_and_a_huge_one_is_accepted() {
+    let slots = |n| Follower::new(cfg(n)).resync_slots();
+    assert_eq!(slots(0), ResyncSlots { limit: 1, in_flight: 0, waiting: 0 });
+    assert_eq!(slots(usize::MAX).in_flight, 0);
+}
+
+#[tokio::test]
 async fn a_syncing_worker_is_reported_and_left_out_of_match() {
     let relay = Slow::new();
     let (urls, stops) = serve(&relay, 1).await;
