@@ -228,7 +228,7 @@ same "complete -o bashdefault -o default -o nosort -F _kv__relay kv-relay
 same "complete -o bashdefault -o default -o nosort -F _relayctl relayctl
 status snapshot" "$(completes relayctl s)" "bash completion of relayctl"
 same "complete -o bashdefault -o default -o nosort -F _kv__router kv-router
---relay --relays-file --relay-token --relay-ca" "$(completes kv-router --relay)" "bash completion of kv-router"
+--relay --relays-file --relays-dns --relay-token --relay-ca" "$(completes kv-router --relay)" "bash completion of kv-router"
 echo "bash completions: ok"
 
 # --- 3. The installed unit -----------------------------------------------------------------------

@@ -173,6 +173,8 @@ pub struct RelayAdmission {
     counters: RelayCounters,
     /// A Subscribe stream is open.
     connected: bool,
+    /// Waiting for a resync slot, or subscribed and not yet past a snapshot (set by the follower).
+    syncing: bool,
     /// Set by [`RelayAdmission::remove`]: nothing is applied any more.
     removed: bool,
     last_error: Option<String>,
@@ -203,6 +205,7 @@ impl RelayAdmission {
             workers: BTreeMap::new(),
             counters: RelayCounters::default(),
             connected: false,
+            syncing: false,
             removed: false,
             last_error: None,
             relay_newest: 0,
@@ -243,6 +246,16 @@ impl RelayAdmission {
     /// Whether [`RelayAdmission::remove`] was called.
     pub fn is_removed(&self) -> bool {
         self.removed
+    }
+
+    /// Whether the relay is being resynced (its workers are [`WorkerState::Syncing`]).
+    pub fn is_syncing(&self) -> bool {
+        self.syncing
+    }
+
+    /// Marks the relay as being resynced, or done.
+    pub fn set_syncing(&mut self, syncing: bool) {
+        self.syncing = syncing;
     }
 
     /// Whether a stream is open.
@@ -590,7 +603,9 @@ impl RelayAdmission {
             .iter()
             .map(|(&dp_rank, w)| {
                 let ago = w.last_seen.map(|t| now.saturating_duration_since(t));
-                let state = if !self.connected {
+                let state = if self.syncing {
+                    WorkerState::Syncing
+                } else if !self.connected {
                     WorkerState::RelayUnreachable
                 } else if ago.is_none_or(|a| a > stale_after) {
                     WorkerState::Stale

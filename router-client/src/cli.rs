@@ -4,6 +4,8 @@
 
 use clap::Parser;
 use std::net::SocketAddr;
+
+use crate::discovery::DnsName;
 use std::path::PathBuf;
 
 /// Follows kv-relays and answers "which worker holds this request's prefix" over HTTP.
@@ -13,9 +15,28 @@ pub struct Args {
     /// A relay to follow (`http://host:port`); repeatable.
     #[arg(long = "relay", value_name = "URL")]
     pub relays: Vec<String>,
-    /// A file with one relay URL per line (blank lines and `#` comments ignored).
+    /// A file with one relay URL per line (blank lines and `#` comments ignored); re-read every
+    /// `--dns-interval-ms`, relays added and removed as it changes.
     #[arg(long, value_name = "FILE")]
     pub relays_file: Option<PathBuf>,
+    /// A DNS name whose A and AAAA records are relays listening on PORT (a Kubernetes headless
+    /// Service), resolved every `--dns-interval-ms`; repeatable.
+    #[arg(long = "relays-dns", value_name = "NAME:PORT")]
+    pub relays_dns: Vec<DnsName>,
+    /// How often (milliseconds) the names are resolved and the relays file re-read.
+    #[arg(long, default_value_t = 5000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub dns_interval_ms: u64,
+    /// An address missing from its name's records for this long (milliseconds) is dropped; a
+    /// record that comes back sooner keeps its relay and index. Failed resolutions never drop.
+    #[arg(long, default_value_t = 30000)]
+    pub dns_grace_ms: u64,
+    /// At most this many relays are resynced (snapshots pulled) at once; the others wait, their
+    /// workers `syncing` and left out of /match.
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u64).range(1..=100_000))]
+    pub max_concurrent_resyncs: u64,
+    /// Each relay's first connection waits a random delay up to this long (milliseconds).
+    #[arg(long, default_value_t = 500)]
+    pub start_jitter_ms: u64,
     /// Where the HTTP API listens.
     #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,

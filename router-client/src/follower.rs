@@ -14,8 +14,10 @@ use std::time::Duration;
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_relay_proto::pb;
 use kv_relay_proto::pb::relay_client::RelayClient;
+use rand::Rng as _;
 use serde::Serialize;
-use tokio::sync::{broadcast, oneshot};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use tokio::sync::{broadcast, oneshot, Semaphore};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Endpoint};
@@ -23,6 +25,7 @@ use tonic::Code;
 
 use crate::admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
 use crate::backoff::{Backoff, BackoffConfig};
+use crate::discovery::{DiscoveryCounters, DiscoveryStats};
 use crate::error::{ClientError, StreamError};
 use crate::index::{IndexConfig, PrefixIndex};
 use crate::worker::{Load, WorkerInfo, WorkerState};
@@ -61,6 +64,14 @@ pub struct FollowConfig {
     /// Events buffered per [`Follower::events`] receiver; a receiver that falls further behind
     /// loses the oldest (it gets `Lagged`), the follower never waits for it.
     pub events_capacity: usize,
+    /// At most this many relays are resynced at once (from their Subscribe until their first
+    /// message outside a snapshot); the others wait, their workers [`WorkerState::Syncing`].
+    /// Bounds the snapshots a starting router (or one back from a partition) pulls at once.
+    /// 0 is taken as 1.
+    pub max_concurrent_resyncs: usize,
+    /// A relay's first connection waits a random delay up to this long, so that a router
+    /// started with many relays does not open every connection in the same instant.
+    pub start_jitter: Duration,
     /// The prefix index's construction parameters.
     pub index: IndexConfig,
 }
@@ -79,6 +90,8 @@ impl Default for FollowConfig {
             max_message_bytes: 64 << 20,
             http2_window_bytes: None,
             events_capacity: 1024,
+            max_concurrent_resyncs: 16,
+            start_jitter: Duration::from_millis(500),
             index: IndexConfig::default(),
         }
     }
@@ -102,6 +115,8 @@ pub struct RelayInfo {
     pub relay_newest: u64,
     /// A snapshot is being received.
     pub staging: bool,
+    /// Being resynced: waiting for a resync slot, or subscribed and not yet past a snapshot.
+    pub syncing: bool,
     /// Why the last stream ended.
     pub last_error: Option<String>,
     /// The stream's counters.
@@ -150,6 +165,23 @@ struct Shared {
     /// Counters of relays removed, so totals never go down.
     removed: Mutex<RelayCounters>,
     events: broadcast::Sender<ClientEvent>,
+    /// Counted by [`crate::discovery::Discovery`] when it drives this follower.
+    discovery: DiscoveryStats,
+    /// The resync slots ([`FollowConfig::max_concurrent_resyncs`]).
+    resyncs: Semaphore,
+    /// Relays waiting for a resync slot.
+    resyncs_waiting: AtomicUsize,
+}
+
+/// The resync slots now ([`Follower::resync_slots`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ResyncSlots {
+    /// The bound ([`FollowConfig::max_concurrent_resyncs`]).
+    pub limit: usize,
+    /// Relays being resynced now.
+    pub in_flight: usize,
+    /// Relays waiting for a slot.
+    pub waiting: usize,
 }
 
 struct Task {
@@ -187,6 +219,7 @@ impl Follower {
     pub fn new(cfg: FollowConfig) -> Self {
         let (events, _) = broadcast::channel(cfg.events_capacity.max(1));
         let index = PrefixIndex::new(cfg.index);
+        let slots = resync_limit(&cfg);
         Follower {
             shared: Arc::new(Shared {
                 cfg,
@@ -194,6 +227,9 @@ impl Follower {
                 relays: RwLock::new(BTreeMap::new()),
                 removed: Mutex::new(RelayCounters::default()),
                 events,
+                discovery: DiscoveryStats::default(),
+                resyncs: Semaphore::new(slots),
+                resyncs_waiting: AtomicUsize::new(0),
             }),
             tasks: Arc::new(Tasks(Mutex::new(BTreeMap::new()))),
         }
@@ -207,6 +243,27 @@ impl Follower {
     /// The prefix index the follower keeps.
     pub fn index(&self) -> &PrefixIndex {
         &self.shared.index
+    }
+
+    /// How many relays are being resynced, and how many wait for a slot.
+    pub fn resync_slots(&self) -> ResyncSlots {
+        let limit = resync_limit(&self.shared.cfg);
+        ResyncSlots {
+            limit,
+            in_flight: limit - self.shared.resyncs.available_permits(),
+            waiting: self.shared.resyncs_waiting.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The counters of the [`crate::discovery::Discovery`] driving this follower (all 0 without
+    /// one).
+    pub fn discovery_counters(&self) -> DiscoveryCounters {
+        self.shared.discovery.get()
+    }
+
+    /// Where a [`crate::discovery::Discovery`] driving this follower counts.
+    pub fn discovery_stats(&self) -> &DiscoveryStats {
+        &self.shared.discovery
     }
 
     /// Rank events, snapshots, gaps, connects and disconnects, as they happen. An event is sent
@@ -284,6 +341,7 @@ impl Follower {
                     incarnation: p.incarnation,
                     relay_newest: a.relay_newest(),
                     staging: a.is_staging(),
+                    syncing: a.is_syncing(),
                     last_error: a.last_error().map(str::to_string),
                     counters: a.counters(),
                 }
@@ -308,10 +366,12 @@ impl Follower {
         total
     }
 
-    /// For a request's block hashes, every known worker with the leading blocks it holds (any
-    /// tier, and per tier), its state and load. Workers holding none have `matched_blocks: 0`.
+    /// For a request's block hashes, every known worker that is ready (all but
+    /// [`WorkerState::Syncing`] ones) with the leading blocks it holds (any tier, and per tier),
+    /// its state and load. Workers holding none have `matched_blocks: 0`.
     pub fn match_blocks(&self, hashes: &[u64]) -> Vec<Match> {
-        let workers = self.workers();
+        let mut workers = self.workers();
+        workers.retain(|w| w.state != WorkerState::Syncing);
         let result = self.shared.index.lookup(hashes);
         let tiers = self.shared.index.tiers();
         let found: HashMap<_, _> = result.iter().map(|m| (m.worker, m)).collect();
@@ -353,6 +413,16 @@ impl Follower {
         let hashes = block_event_hashes(engine, request)?;
         Ok(self.match_blocks(&hashes))
     }
+}
+
+/// The resync bound in effect: at least 1, at most what a semaphore holds.
+fn resync_limit(cfg: &FollowConfig) -> usize {
+    cfg.max_concurrent_resyncs.clamp(1, Semaphore::MAX_PERMITS)
+}
+
+/// Checks that `url` is one [`Follower::add_relay`] takes (`http://` or `https://`, a valid URI).
+pub fn validate_url(url: &str) -> Result<(), ClientError> {
+    endpoint(url, &FollowConfig::default()).map(drop)
 }
 
 fn endpoint(url: &str, cfg: &FollowConfig) -> Result<Endpoint, ClientError> {
@@ -417,6 +487,15 @@ fn retry_after(status: &tonic::Status) -> Option<Duration> {
 async fn follow(relay: Arc<Relay>, shared: Arc<Shared>, mut stop: oneshot::Receiver<()>) {
     let mut backoff = Backoff::new(shared.cfg.backoff);
     let mut first = true;
+    let jitter = shared.cfg.start_jitter;
+    if !jitter.is_zero() {
+        let delay = rand::rng().random_range(Duration::ZERO..=jitter);
+        tokio::select! {
+            biased;
+            _ = &mut stop => return,
+            _ = tokio::time::sleep(delay) => {}
+        }
+    }
     loop {
         if !first {
             lock(&relay.admission).count_reconnect();
@@ -437,6 +516,7 @@ async fn follow(relay: Arc<Relay>, shared: Arc<Shared>, mut stop: oneshot::Recei
             if matches!(err, StreamError::ReceiveTimeout(_)) {
                 a.count_receive_timeout();
             }
+            a.set_syncing(false);
             a.on_disconnected(err.to_string(), &mut events);
             shared.emit(&mut events);
         }
@@ -467,6 +547,16 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
         }
         tracing::debug!(relay = %relay.url, error = %e, "relay status unavailable");
     }
+    // A resync slot from the Subscribe until the stream's first message outside a snapshot.
+    // Taken after connecting, so that relays that are down hold no slot.
+    lock(&relay.admission).set_syncing(true);
+    let mut slot = Some({
+        let _waiting = Waiting::new(&shared.resyncs_waiting);
+        match shared.resyncs.acquire().await {
+            Ok(p) => p,
+            Err(_) => return StreamError::Resume("follower closed".into()),
+        }
+    });
     let req = lock(&relay.admission).subscribe_request(cfg.allow_snapshot);
     let mut stream = match tokio::time::timeout(cfg.connect_timeout, client.subscribe(shared.request(req))).await {
         Err(_) => return StreamError::Connect("subscribe timed out".into()),
@@ -502,6 +592,10 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
                 let verdict = {
                     let mut a = lock(&relay.admission);
                     let v = a.apply(msg, &shared.index, now, &mut events);
+                    if slot.is_some() && !a.is_staging() {
+                        a.set_syncing(false);
+                        slot = None;
+                    }
                     shared.emit(&mut events);
                     v
                 };
@@ -518,6 +612,22 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
                 }
             }
         }
+    }
+}
+
+/// Counts a relay waiting for a resync slot while it lives (the wait may be cancelled).
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(n: &'a AtomicUsize) -> Self {
+        n.fetch_add(1, Ordering::Relaxed);
+        Waiting(n)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

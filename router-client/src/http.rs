@@ -218,11 +218,38 @@ pub fn prometheus_text(f: &Follower) -> String {
     for (name, help, v) in counters {
         write_counter(&mut out, &format!("kv_router_{name}_total"), help, v);
     }
+    let d = f.discovery_counters();
+    let discovery: [(&str, &str, u64); 4] = [
+        ("dns_errors", "Resolutions of the relays' DNS names that failed (relays were kept).", d.dns_errors),
+        (
+            "file_errors",
+            "Reads of the relays file that failed or found an invalid line (relays were kept).",
+            d.file_errors,
+        ),
+        ("relays_added", "Relays added by discovery (DNS names, the relays file, fixed URLs).", d.added),
+        (
+            "relays_removed",
+            "Relays removed by discovery (gone from the file, or from DNS past the grace period).",
+            d.removed,
+        ),
+    ];
+    for (name, help, v) in discovery {
+        write_counter(&mut out, &format!("kv_router_discovery_{name}_total"), help, v);
+    }
     let workers = f.workers();
     let _ = writeln!(out, "# HELP kv_router_workers Workers by state.\n# TYPE kv_router_workers gauge");
     for s in WorkerState::ALL {
         let n = workers.iter().filter(|w| w.state == s).count();
         let _ = writeln!(out, "kv_router_workers{{state=\"{}\"}} {n}", s.as_str());
+    }
+    let slots = f.resync_slots();
+    let gauges: [(&str, &str, usize); 3] = [
+        ("resyncs_in_flight", "Relays being resynced now (Subscribe sent, not yet past a snapshot).", slots.in_flight),
+        ("resyncs_waiting", "Relays waiting for a resync slot.", slots.waiting),
+        ("resyncs_limit", "The bound on relays resynced at once (--max-concurrent-resyncs).", slots.limit),
+    ];
+    for (name, help, v) in gauges {
+        let _ = writeln!(out, "# HELP kv_router_{name} {help}\n# TYPE kv_router_{name} gauge\nkv_router_{name} {v}");
     }
     let relays = f.relays();
     let _ = writeln!(out, "# HELP kv_router_relay_connected Whether a stream to the relay is open.");

@@ -9,6 +9,9 @@
 //!   ([`index::reference`]) used by tests.
 //! - [`follower`]: [`Follower`]: one background task per relay keeps a resumable Subscribe
 //!   stream current (backoff, receive timeout, Status polls); lookups over every worker.
+//! - [`discovery`]: [`discovery::Discovery`]: the relays of fixed URLs, relays files re-read when
+//!   they change, and DNS names resolved again and again, kept followed (a grace period before
+//!   an address missing from DNS is dropped).
 //! - [`admission`]: the admission rules, pure: exactly-once cursor order per relay, rank
 //!   resets, flags, staged snapshots swapped in atomically.
 //! - [`worker`]: what a router is told about a worker: load, freshness, state.
@@ -20,6 +23,7 @@
 pub mod admission;
 pub mod backoff;
 pub mod cli;
+pub mod discovery;
 pub mod error;
 pub mod follower;
 pub mod http;
@@ -27,6 +31,7 @@ pub mod index;
 pub mod worker;
 
 pub use admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
+pub use discovery::{Discovery, DnsName};
 pub use error::{ClientError, StreamError};
-pub use follower::{FollowConfig, Follower, Match, RelayInfo};
+pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo, ResyncSlots};
 pub use worker::{Load, WorkerInfo, WorkerState};

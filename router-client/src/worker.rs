@@ -31,6 +31,10 @@ impl From<&pb::Load> for Load {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
 pub enum WorkerState {
+    /// The worker's relay is being resynced: its follower waits for a resync slot
+    /// ([`crate::FollowConfig::max_concurrent_resyncs`]), or has subscribed and not yet received
+    /// a message outside a snapshot. Not ready: [`crate::Follower::match_blocks`] leaves it out.
+    Syncing,
     /// The client has no working stream from the worker's relay (connecting, or reconnecting
     /// after an error); the blocks it holds are as of the last record applied.
     RelayUnreachable,
@@ -48,7 +52,8 @@ pub enum WorkerState {
 
 impl WorkerState {
     /// Every state, in the order above.
-    pub const ALL: [WorkerState; 5] = [
+    pub const ALL: [WorkerState; 6] = [
+        WorkerState::Syncing,
         WorkerState::RelayUnreachable,
         WorkerState::Stale,
         WorkerState::Degraded,
@@ -59,6 +64,7 @@ impl WorkerState {
     /// The state's name as the HTTP API and the metrics spell it.
     pub fn as_str(self) -> &'static str {
         match self {
+            WorkerState::Syncing => "syncing",
             WorkerState::RelayUnreachable => "relay_unreachable",
             WorkerState::Stale => "stale",
             WorkerState::Degraded => "degraded",

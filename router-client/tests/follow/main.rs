@@ -2,8 +2,12 @@
 //! against a real relay server on `127.0.0.1:0`, with the example router's HTTP API.
 
 mod admission;
+mod cli;
 mod daemon;
+mod discovery;
 mod fixtures;
+mod fleet;
 mod relay;
 mod scripted;
+mod storm;
 mod util;

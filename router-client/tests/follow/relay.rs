@@ -9,7 +9,6 @@ use std::time::Duration;
 
 use kv_relay::model::{Batch, Block, Control, ControlKind, Event, Group, Load, Namespace, Record, RecordBody};
 use kv_relay::model::{Removed, Stored, Tier, TokenLayout};
-use kv_relay::server::{notice_channel, serve, RelayStatusHandle, ServerConfig};
 use kv_relay::store::{HistoryLimits, SnapshotFilter, Store, StoreConfig};
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_router_client::backoff::BackoffConfig;
@@ -117,7 +116,7 @@ impl Traffic {
     }
 }
 
-fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
+pub(crate) fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
     let mut cfg = StoreConfig::new(dir);
     cfg.limits = limits;
     cfg.cache_bytes = 4 << 20;
@@ -135,52 +134,31 @@ fn open_store(dir: &Path, limits: HistoryLimits) -> Store {
     }
 }
 
-struct Server {
-    addr: SocketAddr,
+pub(crate) struct Server {
+    pub(crate) addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<()>,
 }
 
 impl Server {
     /// Serves `store` on `addr` (or a new port), retrying the bind while the old socket closes.
-    async fn start(store: &Store, addr: Option<SocketAddr>) -> Server {
-        let deadline = tokio::time::Instant::now() + T;
-        let listener = loop {
-            match tokio::net::TcpListener::bind(addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap())).await {
-                Ok(l) => break l,
-                Err(e) if tokio::time::Instant::now() < deadline => {
-                    let _ = e;
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                Err(e) => panic!("bind: {e}"),
-            }
-        };
-        let addr = listener.local_addr().unwrap();
-        let cfg = ServerConfig {
-            rate_per_second: 10_000,
-            rate_burst: 10_000,
-            shutdown_grace: Duration::from_millis(200),
-            ..ServerConfig::default()
-        };
-        let (stop, stopped) = oneshot::channel::<()>();
-        let fut = serve(cfg, store.clone(), RelayStatusHandle::new("test-engine"), notice_channel(), listener, async {
-            let _ = stopped.await;
-        });
-        let task = tokio::spawn(async move { fut.await.expect("serve") });
+    pub(crate) async fn start(store: &Store, addr: Option<SocketAddr>) -> Server {
+        let addr = addr.unwrap_or_else(|| "127.0.0.1:0".parse().unwrap());
+        let (addr, stop, task) = kv_relay_testkit::fleet::serve_store(store, addr).await;
         Server { addr, stop: Some(stop), task }
     }
 
-    fn url(&self) -> String {
+    pub(crate) fn url(&self) -> String {
         format!("http://{}", self.addr)
     }
 
-    async fn stop(mut self) {
+    pub(crate) async fn stop(mut self) {
         let _ = self.stop.take().unwrap().send(());
         tokio::time::timeout(T, self.task).await.expect("server stops in time").unwrap();
     }
 }
 
-fn follow_cfg() -> FollowConfig {
+pub(crate) fn follow_cfg() -> FollowConfig {
     FollowConfig {
         backoff: BackoffConfig {
             initial: Duration::from_millis(20),
@@ -210,7 +188,7 @@ async fn caught_up(f: &Follower, url: &str, store: &Store) -> RelayInfo {
     }
 }
 
-async fn until(what: &str, mut cond: impl FnMut() -> bool) {
+pub(crate) async fn until(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = tokio::time::Instant::now() + T;
     while !cond() {
         assert!(tokio::time::Instant::now() < deadline, "timed out waiting for {what}");
@@ -473,7 +451,7 @@ async fn cursor_trimmed_from_the_history_resyncs_by_snapshot() {
 }
 
 /// One HTTP/1.1 exchange; returns (status, body).
-async fn http_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
+pub(crate) async fn http_call(addr: SocketAddr, method: &str, path: &str, body: &str) -> (u16, String) {
     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
     let req = format!(
         "{method} {path} HTTP/1.1\r\nhost: router\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\

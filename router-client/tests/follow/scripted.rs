@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use kv_relay_proto::pb;
-use kv_relay_proto::pb::relay_server::{Relay, RelayServer};
+use kv_relay_proto::pb::relay_server::Relay;
 use kv_relay_proto::pb::Tier::Device;
 use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::{FollowConfig, Follower, WorkerState};
@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::util::{batch, stored};
+use crate::util::{batch, serve_relay, stored};
 
 const EPOCH: u64 = 4242;
 const T: Duration = Duration::from_secs(20);
@@ -61,19 +61,7 @@ impl Relay for Scripted {
 async fn start(scripts: Vec<Script>) -> (Scripted, String, oneshot::Sender<()>) {
     let relay = Scripted::default();
     relay.scripts.lock().unwrap().extend(scripts);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (stop, stopped) = oneshot::channel::<()>();
-    let svc = RelayServer::new(relay.clone());
-    tokio::spawn(async move {
-        tonic::transport::Server::builder()
-            .add_service(svc)
-            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
-                let _ = stopped.await;
-            })
-            .await
-            .unwrap();
-    });
+    let (url, stop) = serve_relay(relay.clone()).await;
     (relay, url, stop)
 }
 

@@ -144,6 +144,27 @@ pub fn arc(s: &str) -> Arc<str> {
     Arc::from(s)
 }
 
+/// Serves a relay implementation on a new port of 127.0.0.1: its URL, and what stops it.
+#[allow(dead_code)]
+pub async fn serve_relay<R: kv_relay_proto::pb::relay_server::Relay>(
+    relay: R,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let svc = kv_relay_proto::pb::relay_server::RelayServer::new(relay);
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(svc)
+            .serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(listener), async {
+                let _ = stopped.await;
+            })
+            .await
+            .unwrap();
+    });
+    (url, stop)
+}
+
 /// A follower that reconnects quickly (20 ms, up to 200 ms), for tests against a real relay.
 #[allow(dead_code)]
 pub fn quick_follower() -> kv_router_client::Follower {
