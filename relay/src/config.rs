@@ -55,8 +55,8 @@ pub struct Args {
     /// History bound in bytes.
     #[arg(long, env = "KV_RELAY_HISTORY_BYTES", default_value_t = 256 << 20)]
     pub history_bytes: u64,
-    /// The store's page cache (sled's), in bytes: most of the relay's memory beyond the
-    /// history's in-memory tail.
+    /// sled's page cache, in bytes. sled holds only the store's identity (format, epoch,
+    /// incarnations); the log and the checkpoints are files, read through the kernel's cache.
     #[arg(long, env = "KV_RELAY_STORE_CACHE_BYTES", default_value_t = 64 << 20)]
     pub store_cache_bytes: u64,
     /// The gRPC listen address.
