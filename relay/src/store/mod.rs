@@ -286,6 +286,11 @@ impl Shared {
     /// Removes the log's segments that neither the history nor recovery needs.
     fn prune_log(&self) {
         let keep = self.writer.lock().unwrap_or_else(|p| p.into_inner()).keep_from();
+        self.prune_log_before(keep);
+    }
+
+    /// Removes the log's segments whose every record is before `keep`.
+    fn prune_log_before(&self, keep: u64) {
         let folder = self.dir.join(log::LOG_DIR);
         if let Err(e) = log::remove_before(keep, &self.log, &folder) {
             // Harmless but for its space: the next open finds it and removes it then.
@@ -369,11 +374,16 @@ fn open_sled(dir: &Path, cache_bytes: u64) -> Result<sled::Db, sled::Error> {
 /// Moves an unreadable sled directory aside (`unreadable-<unix ms>`), with the log and the
 /// checkpoints that belong to it, keeping them for inspection.
 fn set_aside(dir: &Path, sled_dir: &Path, why: &str) -> Result<(), StoreError> {
-    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
-    let to = dir.join(format!("unreadable-{ms}"));
+    let to = aside_dir(dir);
     tracing::warn!(dir = %dir.display(), moved_to = %to.display(), why, "store unreadable: starting a new one with a new epoch");
     std::fs::rename(sled_dir, &to).map_err(|e| StoreError::io("set aside an unreadable store", dir, e))?;
     move_files_aside(dir, &to)
+}
+
+/// Where a store's files are set aside: `unreadable-<unix ms>` in the state directory.
+fn aside_dir(dir: &Path) -> PathBuf {
+    let ms = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_millis()).unwrap_or(0);
+    dir.join(format!("unreadable-{ms}"))
 }
 
 /// Moves the files of a store other than sled's (the log, the checkpoints, a redo) into `to`.
@@ -496,11 +506,7 @@ impl Store {
             None => {
                 // A new store: a log or checkpoints found here belong to another one.
                 if [log::LOG_DIR, checkpoint::FOLDER].iter().any(|n| dir.join(n).exists()) {
-                    let ms = std::time::SystemTime::now()
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map(|d| d.as_millis())
-                        .unwrap_or(0);
-                    let to = dir.join(format!("unreadable-{ms}"));
+                    let to = aside_dir(&dir);
                     tracing::warn!(dir = %dir.display(), moved_to = %to.display(),
                         "a log or checkpoints without the store they belong to: set aside");
                     move_files_aside(&dir, &to)?;
@@ -814,7 +820,7 @@ impl Store {
         let keep = w.keep_from();
         drop(guard);
         if sh.log.read().unwrap_or_else(|p| p.into_inner()).removable(keep) {
-            sh.prune_log();
+            sh.prune_log_before(keep);
         }
         inner.newest_tx.send_replace(counters.newest);
         if due {
