@@ -6,9 +6,12 @@
 //! bounded command channel ([`RankHandle`]); when that channel is full, senders block (the
 //! engine's own publisher queue blocks the scheduler the same way), so nothing is dropped
 //! silently. The thread polls the ROUTER socket with a short timeout between commands, so
-//! replay requests are answered while traffic flows and while a delay holds the wire.
+//! replay requests are answered while traffic flows and while a delay holds the wire; every
+//! command also rings a doorbell (an inproc PUSH/PULL pair) that ends that wait, so a batch goes
+//! out as soon as it is handed over, not up to a poll timeout later.
 
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -174,9 +177,17 @@ impl Cmd {
 pub struct RankHandle {
     pub rank: u32,
     tx: SyncSender<Cmd>,
+    /// Rung after every command: wakes the thread from its ROUTER poll.
+    doorbell: Mutex<zmq::Socket>,
     stats: Arc<Mutex<RankStats>>,
     log: Arc<Mutex<Option<Vec<PublishRecord>>>>,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A fresh inproc endpoint for a rank's doorbell.
+fn doorbell_endpoint() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!("inproc://mock-engine-doorbell-{}", NEXT.fetch_add(1, Ordering::Relaxed))
 }
 
 impl RankHandle {
@@ -185,7 +196,16 @@ impl RankHandle {
     pub fn start(ctx: &zmq::Context, cfg: RankConfig, record: bool) -> Result<RankHandle, PublisherError> {
         let stats = Arc::new(Mutex::new(RankStats::default()));
         let log = Arc::new(Mutex::new(if record { Some(Vec::new()) } else { None }));
+        let bell = doorbell_endpoint();
+        let doorbell_in = ctx.socket(zmq::PULL)?;
+        doorbell_in.bind(&bell)?;
+        let doorbell = ctx.socket(zmq::PUSH)?;
+        // Rings never delivered must not hold the context's termination.
+        doorbell.set_linger(0)?;
+        doorbell_in.set_linger(0)?;
+        doorbell.connect(&bell)?;
         let mut worker = Worker {
+            doorbell: doorbell_in,
             ctx: ctx.clone(),
             cfg,
             sockets: None,
@@ -213,11 +233,14 @@ impl RankHandle {
             .name(format!("mock-engine-rank{rank}"))
             .spawn(move || worker.run(rx))
             .map_err(|e| PublisherError::Endpoint(String::new(), e.to_string()))?;
-        Ok(RankHandle { rank, tx, stats, log, thread: Some(thread) })
+        Ok(RankHandle { rank, tx, doorbell: Mutex::new(doorbell), stats, log, thread: Some(thread) })
     }
 
     pub(crate) fn send(&self, cmd: Cmd) -> Result<(), PublisherError> {
-        self.tx.send(cmd).map_err(|_| PublisherError::Gone(self.rank))
+        self.tx.send(cmd).map_err(|_| PublisherError::Gone(self.rank))?;
+        // A full doorbell already has a ring waiting: the thread wakes either way.
+        let _ = self.doorbell.lock().expect("doorbell lock").send(&[][..], zmq::DONTWAIT);
+        Ok(())
     }
 
     /// Send a command that answers, and wait for the answer.
@@ -243,7 +266,7 @@ impl RankHandle {
 
 impl Drop for RankHandle {
     fn drop(&mut self) {
-        let _ = self.tx.send(Cmd::Shutdown);
+        let _ = self.send(Cmd::Shutdown);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -262,6 +285,8 @@ struct Sockets {
 }
 
 struct Worker {
+    /// Ends the ROUTER poll when a command arrives (see [`RankHandle::send`]).
+    doorbell: zmq::Socket,
     ctx: zmq::Context,
     cfg: RankConfig,
     /// `None` while the rank is stopped.
@@ -529,9 +554,16 @@ impl Worker {
         let Some(router) = self.sockets.as_ref().and_then(|s| s.router.as_ref()) else {
             return;
         };
-        match router.poll(zmq::POLLIN, POLL_MS) {
-            Ok(n) if n > 0 => {}
-            _ => return,
+        let mut items = [router.as_poll_item(zmq::POLLIN), self.doorbell.as_poll_item(zmq::POLLIN)];
+        if zmq::poll(&mut items, POLL_MS).is_err() {
+            return;
+        }
+        let (request, rung) = (items[0].is_readable(), items[1].is_readable());
+        if rung {
+            while self.doorbell.recv_bytes(zmq::DONTWAIT).is_ok() {}
+        }
+        if !request {
+            return;
         }
         let mut answered = false;
         while let Ok(frames) = router.recv_multipart(zmq::DONTWAIT) {
