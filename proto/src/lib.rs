@@ -1,3 +1,4 @@
+pub mod encoded;
 pub mod hash;
 
 /// The relay's gRPC contract (`kv_relay.v1`), generated from `proto/kv_relay/v1/relay.proto`:

@@ -19,8 +19,9 @@ pub use status::{notice_channel, HashCheckCounts, Notice, RankState, RankStatus,
 use crate::model::Tier;
 use crate::store::{CursorCheck, SnapshotFilter, Store};
 use guard::{resource_exhausted, ClientLimiter, TokenCheck, UntilShutdown};
+use kv_relay_proto::encoded::server::relay_server::{Relay, RelayServer};
+use kv_relay_proto::encoded::SubscribeOut;
 use kv_relay_proto::pb;
-use kv_relay_proto::pb::relay_server::{Relay, RelayServer};
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::Path;
@@ -255,7 +256,7 @@ impl RelayService {
 
 #[tonic::async_trait]
 impl Relay for RelayService {
-    type SubscribeStream = BoxStream<pb::SubscribeResponse>;
+    type SubscribeStream = BoxStream<SubscribeOut>;
     type HistoryStream = BoxStream<pb::HistoryResponse>;
     type SnapshotStream = BoxStream<pb::SnapshotResponse>;
 

@@ -5,8 +5,8 @@
 //! # Reads
 //! A subscriber reads the history from the store, a page at a time, at its own pace. The newest
 //! records come from the store's in-memory tail ([`Store::recent`]): shared by every subscriber,
-//! each record converted to its Subscribe message once, and read without the blocking pool. Only
-//! a subscriber behind that tail reads sled.
+//! each record encoded as its Subscribe message once (every stream sends the same bytes), and
+//! read without the blocking pool. Only a subscriber behind that tail reads the log.
 //!
 //! # Memory per subscriber
 //! A subscriber holds at most one page of records ([`ServerConfig::history_page`] records) and
@@ -20,6 +20,7 @@ use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb
 use super::status::{Notice, RelayStatusHandle};
 use super::ServerConfig;
 use crate::store::{Committed, SnapshotFilter, Store, StoreError};
+use kv_relay_proto::encoded::SubscribeOut;
 use kv_relay_proto::pb;
 use pb::subscribe_response::Message as M;
 use std::sync::Arc;
@@ -148,11 +149,13 @@ pub(crate) enum Outgoing {
 }
 
 impl Outgoing {
-    /// The message to send: a record's is made once per record and copied per subscriber.
-    pub(crate) fn into_message(self) -> pb::SubscribeResponse {
+    /// The message to send: a record's is encoded once, and every subscriber sends its bytes.
+    pub(crate) fn into_message(self) -> SubscribeOut {
         match self {
-            Outgoing::Record(c) => c.subscribe_message(|r| record_to_pb(r).into_subscribe()).clone(),
-            Outgoing::Message(m) => m,
+            Outgoing::Record(c) => {
+                SubscribeOut::Encoded(c.subscribe_encoded(|r| SubscribeOut::encode(&record_to_pb(r).into_subscribe())))
+            }
+            Outgoing::Message(m) => SubscribeOut::Message(m),
         }
     }
 }
@@ -248,8 +251,8 @@ impl Subscriber {
             // Mark the newest cursor seen before reading: a commit after this wakes the wait.
             self.newest.borrow_and_update();
             let page = self.cfg.history_page.max(1);
-            // The newest records come from memory, shared with every subscriber and converted
-            // once; older ones are read from sled on the blocking pool.
+            // The newest records come from memory, shared with every subscriber and encoded
+            // once; older ones are read from the log on the blocking pool.
             let records = match self.store.recent(pos, page) {
                 Some(r) => r,
                 None => {
@@ -359,9 +362,9 @@ impl Subscriber {
 }
 
 /// How many of `records` (a page read after cursor `pos`) continue `pos` without a hole, and
-/// the cursor after the first hole. A page is read while commits trim the history, and sled's
-/// iterators are not snapshots: a trim that overtakes the reader within a page leaves a hole,
-/// which a subscriber must never be sent across (it resyncs instead).
+/// the cursor after the first hole. A page is read while commits trim the history: a trim that
+/// overtakes the reader within a page leaves a hole, which a subscriber must never be sent across
+/// (it resyncs instead).
 fn continuing(pos: u64, cursors: impl ExactSizeIterator<Item = u64>) -> (usize, Option<u64>) {
     let n = cursors.len();
     match cursors.zip(pos + 1..).enumerate().find(|(_, (c, want))| c != want) {

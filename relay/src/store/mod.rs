@@ -873,7 +873,7 @@ impl Store {
     }
 
     /// [`Store::history`], shared: from memory when the records are the newest (see
-    /// [`Store::recent`]), else read from sled.
+    /// [`Store::recent`]), else read from the log.
     pub fn history_shared(&self, after: u64, limit: usize) -> Result<Vec<Arc<Committed>>, StoreError> {
         if let Some(v) = self.recent(after, limit) {
             return Ok(v);

@@ -1,18 +1,18 @@
-//! The newest committed records, kept in memory beside the history in sled.
+//! The newest committed records, kept in memory beside the history's log.
 //!
-//! Every subscriber that is caught up reads each new record once. Without this ring each of them
-//! read it from sled and decoded it (on the blocking pool) and converted it to protobuf: with 64
-//! subscribers that was 64 reads, decodes and conversions per record, several times the commit's
-//! own cost. The ring holds each record once, shared (`Arc`), with a memo of its wire form that
-//! the first subscriber to send it fills.
+//! Every subscriber that is caught up sends each new record. Without this ring each of them would
+//! read it from the log, decode it, convert it to protobuf and encode that: with 64 subscribers,
+//! 64 times per record, several times the commit's own cost. The ring holds each record once,
+//! shared (`Arc`), with its Subscribe message encoded by the first subscriber to send it; the
+//! others send the same bytes.
 //!
 //! The ring is a cache of the history's tail, never more: it holds consecutive cursors ending at
 //! the newest commit of this process, never a record the history has trimmed, and a read it
-//! cannot answer whole goes to sled. It is bounded by records and by encoded bytes; the newest
+//! cannot answer whole goes to the log. It is bounded by records and by encoded bytes; the newest
 //! record is always kept.
 
 use crate::model::Record;
-use kv_relay_proto::pb;
+use bytes::Bytes;
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock};
 
@@ -36,8 +36,8 @@ pub struct Committed {
     pub record: Record,
     /// Encoded size in the history.
     size: u64,
-    /// The Subscribe message for this record, made once.
-    subscribe: OnceLock<pb::SubscribeResponse>,
+    /// The Subscribe message for this record, encoded once.
+    subscribe: OnceLock<Bytes>,
 }
 
 impl Committed {
@@ -45,14 +45,15 @@ impl Committed {
         Committed { record, size, subscribe: OnceLock::new() }
     }
 
-    /// The record's Subscribe message: `make` runs for the first caller only.
     /// The record's encoded size in the history.
     pub fn size(&self) -> u64 {
         self.size
     }
 
-    pub fn subscribe_message(&self, make: impl FnOnce(&Record) -> pb::SubscribeResponse) -> &pb::SubscribeResponse {
-        self.subscribe.get_or_init(|| make(&self.record))
+    /// The record's Subscribe message, encoded: `make` runs for the first caller only, and every
+    /// caller shares its bytes.
+    pub fn subscribe_encoded(&self, make: impl FnOnce(&Record) -> Bytes) -> Bytes {
+        self.subscribe.get_or_init(|| make(&self.record)).clone()
     }
 }
 
@@ -167,10 +168,11 @@ mod tests {
         let c = rec(1, 1);
         let mut made = 0;
         for _ in 0..3 {
-            c.subscribe_message(|_| {
+            let b = c.subscribe_encoded(|_| {
                 made += 1;
-                pb::SubscribeResponse::default()
+                Bytes::from_static(b"x")
             });
+            assert_eq!(b, Bytes::from_static(b"x"));
         }
         assert_eq!(made, 1);
     }
