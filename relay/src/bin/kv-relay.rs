@@ -7,6 +7,11 @@ use kv_relay::config_file::{self, LoadError};
 use kv_relay::notify;
 use std::process::ExitCode;
 
+/// mimalloc: the relay allocates and frees per block (decode, commit, encode), where glibc's
+/// malloc cost about a third of its CPU (docs/benchmarks.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> ExitCode {
     let inv = match config_file::parse(std::env::args_os()) {
         Ok(inv) => inv,
