@@ -10,9 +10,20 @@ pub fn batch(rank: u32, b: &Batch, drops: &Tally, rewrites: &Tally, refilled: bo
     let r = rank.to_string();
     counter!("kv_relay_batches_total", "rank" => r.clone(), "source" => if refilled { "replay" } else { "live" })
         .increment(1);
+    // Summed per kind first: a batch of SGLang's one-block events is hundreds of events, and each
+    // counter call looks its labels up in the registry.
+    let mut kinds: [(&'static str, u64, u64); 3] = [("stored", 0, 0), ("removed", 0, 0), ("cleared", 0, 0)];
     for e in &b.events {
-        counter!("kv_relay_events_total", "rank" => r.clone(), "kind" => e.kind()).increment(1);
-        counter!("kv_relay_block_ops_total", "rank" => r.clone(), "kind" => e.kind()).increment(e.block_ops() as u64);
+        if let Some(k) = kinds.iter_mut().find(|k| k.0 == e.kind()) {
+            k.1 += 1;
+            k.2 += e.block_ops() as u64;
+        }
+    }
+    for (kind, events, ops) in kinds {
+        if events > 0 {
+            counter!("kv_relay_events_total", "rank" => r.clone(), "kind" => kind).increment(events);
+            counter!("kv_relay_block_ops_total", "rank" => r.clone(), "kind" => kind).increment(ops);
+        }
     }
     for (reason, n) in &drops.0 {
         counter!("kv_relay_dropped_events_total", "rank" => r.clone(), "reason" => *reason).increment(*n);
@@ -63,4 +74,43 @@ pub fn hash_check(rank: u32, c: &CheckCounts) {
 
 pub fn duplicate(rank: u32) {
     counter!("kv_relay_duplicate_batches_total", "rank" => rank.to_string()).increment(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Cleared, Event, Removed, Tier};
+    use metrics_exporter_prometheus::PrometheusBuilder;
+
+    fn removed(hashes: &[u64]) -> Event {
+        Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes: hashes.to_vec(), ownership: None })
+    }
+
+    #[test]
+    fn a_batch_counts_its_events_and_block_operations_per_kind() {
+        let recorder = PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let b = Batch {
+            dp_rank: 3,
+            seq: 7,
+            ts: 0.0,
+            events: vec![removed(&[1, 2]), Event::Cleared(Cleared { tier: None }), removed(&[3]), removed(&[4, 5, 6])],
+        };
+        metrics::with_local_recorder(&recorder, || batch(3, &b, &Tally::default(), &Tally::default(), false));
+        let text = handle.render();
+        let mut lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("kv_relay_events_total") || l.starts_with("kv_relay_block_ops_total"))
+            .collect();
+        lines.sort();
+        assert_eq!(
+            lines,
+            [
+                "kv_relay_block_ops_total{rank=\"3\",kind=\"cleared\"} 1",
+                "kv_relay_block_ops_total{rank=\"3\",kind=\"removed\"} 6",
+                "kv_relay_events_total{rank=\"3\",kind=\"cleared\"} 1",
+                "kv_relay_events_total{rank=\"3\",kind=\"removed\"} 3",
+            ]
+        );
+    }
 }
