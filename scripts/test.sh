@@ -51,6 +51,8 @@ cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookup
 cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000 --placement uniform --capacity 10000 --half-rate
 # The relay end to end (mock engine, kv-relay process from the build step, subscribers): ~1 min.
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
+# A router following a fleet (20 relays, a kv-router process, DNS, a snapshot storm): seconds.
+cargo test --locked -p kv-router-client --bench fleet -- --quick
 
 disk
 

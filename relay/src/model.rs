@@ -242,6 +242,26 @@ pub struct Stored {
     pub block_mm_infos: Option<KeyPart>,
 }
 
+impl Stored {
+    /// Blocks of `group` (a main-attention group) in `tier`, one token per id, with no parent,
+    /// namespace, session, ownership, lookahead or multimodal infos.
+    pub fn plain(tier: Tier, group: u32, block_size: u32, blocks: Vec<Block>) -> Stored {
+        Stored {
+            tier,
+            group: Group { idx: group, kind: None, sliding_window: None },
+            parent: None,
+            block_size,
+            token_layout: TokenLayout::Single,
+            blocks,
+            namespace: Namespace::default(),
+            session_id: None,
+            ownership: None,
+            lookahead_token_ids: None,
+            block_mm_infos: None,
+        }
+    }
+}
+
 /// Blocks removed: each hash takes one physical copy away.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Removed {

@@ -3,10 +3,7 @@
 //! generated, seeded batches.
 
 use kv_relay::live::{LiveBlocks, LiveKey};
-use kv_relay::model::{
-    Batch, Block, Control, ControlKind, Event, Group, Load, Namespace, Record, RecordBody, Removed, Stored, Tier,
-    TokenLayout,
-};
+use kv_relay::model::{Batch, Block, Control, ControlKind, Event, Load, Record, RecordBody, Removed, Stored, Tier};
 use kv_relay::server::convert::{record_from_subscribe, snapshot_block_from_pb};
 use kv_relay::server::{notice_channel, serve, Notice, RelayStatusHandle, ServerConfig, TlsConfig, RETRY_AFTER_MS};
 use kv_relay::store::{HistoryLimits, Store, StoreConfig};
@@ -71,19 +68,7 @@ impl Traffic {
                     self.live.push((dp_rank, tier.clone(), group, hash));
                     blocks.push(Block { hash, token_ids: vec![1, 2, 3, 4], extra_keys: None });
                 }
-                events.push(Event::Stored(Stored {
-                    tier,
-                    group: Group { idx: group, kind: None, sliding_window: None },
-                    parent: None,
-                    block_size: 4,
-                    token_layout: TokenLayout::Single,
-                    blocks,
-                    namespace: Namespace::default(),
-                    session_id: None,
-                    ownership: None,
-                    lookahead_token_ids: None,
-                    block_mm_infos: None,
-                }));
+                events.push(Event::Stored(Stored::plain(tier, group, 4, blocks)));
             }
         }
         let seq = self.seq.entry(dp_rank).or_insert(0);
@@ -196,6 +181,12 @@ async fn read_snapshot(s: &mut Streaming<pb::SubscribeResponse>) -> (pb::Snapsho
         M::SnapshotBegin(b) => b,
         other => panic!("expected a snapshot begin, got {other:?}"),
     };
+    let (end, live) = read_snapshot_after_begin(s).await;
+    (begin, end, live)
+}
+
+/// Reads a snapshot's chunks and end into live blocks.
+async fn read_snapshot_after_begin(s: &mut Streaming<pb::SubscribeResponse>) -> (pb::SnapshotEnd, LiveBlocks) {
     let mut live = LiveBlocks::new();
     loop {
         match next(s).await {
@@ -206,7 +197,7 @@ async fn read_snapshot(s: &mut Streaming<pb::SubscribeResponse>) -> (pb::Snapsho
                     live.blocks.entry(key).or_default().insert(b.hash, b.copies);
                 }
             }
-            M::SnapshotEnd(e) => return (begin, e, live),
+            M::SnapshotEnd(e) => return (e, live),
             other => panic!("unexpected in a snapshot: {other:?}"),
         }
     }
@@ -647,6 +638,73 @@ async fn subscriber_limit_returns_resource_exhausted() {
     })
     .await;
     assert!(ok.is_ok());
+    relay.stop().await;
+}
+
+/// A live set of 40,000 blocks of 16 token ids on rank 0, in 40 records (the history holds 5);
+/// returns the truth.
+fn big_live_set(store: &Store) -> LiveBlocks {
+    let mut truth = LiveBlocks::new();
+    for r in 0..40u64 {
+        let blocks = (0..1000).map(|i| Block { hash: r << 32 | i, token_ids: vec![7; 16], extra_keys: None }).collect();
+        let batch = Batch {
+            dp_rank: 0,
+            seq: r + 1,
+            ts: 0.0,
+            events: vec![Event::Stored(Stored::plain(Tier::Device, 0, 16, blocks))],
+        };
+        apply(&mut truth, &store.commit(RecordBody::Batch { batch, load: None }).unwrap());
+    }
+    truth
+}
+
+#[tokio::test]
+async fn max_snapshots_bounds_the_snapshots_in_flight_and_the_others_wait_their_turn() {
+    // 2 snapshots at once; a one-message buffer and readers with 64 KiB windows, so a snapshot
+    // (2.6 MB) whose reader reads nothing holds its slot: its chunks wait for the window.
+    let cfg = ServerConfig { max_snapshots: 2, snapshot_chunk_blocks: 100, stream_buffer: 1, ..cfg() };
+    let relay = Relay::start(cfg, HistoryLimits { max_batches: 5, max_bytes: 1 << 30 }).await;
+    let truth = big_live_set(&relay.store);
+    let epoch = relay.store.epoch();
+    let with_tokens = pb::SubscribeRequest { snapshot_token_ids: true, ..req(0, 0, 0, true) };
+    // Five routers starting from nothing, each on its own connection (a shared connection's
+    // window would stall them all).
+    let mut streams = Vec::new();
+    let mut clients = Vec::new();
+    for _ in 0..5 {
+        let ep = Endpoint::from_shared(format!("http://{}", relay.addr)).unwrap();
+        let ep = ep.initial_stream_window_size(64 << 10).initial_connection_window_size(64 << 10);
+        let mut c = RelayClient::new(ep.connect().await.unwrap());
+        streams.push(c.subscribe(with_tokens.clone()).await.unwrap().into_inner());
+        clients.push(c);
+    }
+    // The first two hold the slots: a Snapshot call finds none free.
+    let mut begun = Vec::new();
+    for s in &mut streams[..2] {
+        match next(s).await {
+            M::SnapshotBegin(b) => begun.push(b),
+            other => panic!("expected a snapshot begin, got {other:?}"),
+        }
+    }
+    assert!(begun.iter().all(|b| b.epoch == epoch && b.cursor == 40));
+    let err = clients[0].snapshot(pb::SnapshotRequest::default()).await.unwrap_err();
+    assert_eq!((err.code(), err.message()), (Code::ResourceExhausted, "too many snapshots in progress"));
+    // The other three wait: nothing at all reaches them while both slots are held.
+    for s in &mut streams[2..] {
+        let waited = tokio::time::timeout(Duration::from_millis(300), s.message()).await;
+        assert!(waited.is_err(), "a third snapshot began while two were in flight: {waited:?}");
+    }
+    // Each in turn completes, every one the whole live set at the newest cursor.
+    let (first, rest) = streams.split_at_mut(2);
+    for s in first {
+        let (end, live) = read_snapshot_after_begin(s).await;
+        assert_eq!((end.cursor, end.block_count, &live.blocks), (40, 40_000, &truth.blocks));
+    }
+    for s in rest {
+        let (begin, end, live) = read_snapshot(s).await;
+        assert_eq!((begin.epoch, begin.cursor, end.cursor, end.block_count), (epoch, 40, 40, 40_000));
+        assert_eq!(live.blocks, truth.blocks);
+    }
     relay.stop().await;
 }
 

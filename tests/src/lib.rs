@@ -14,7 +14,8 @@
 //! - [`generate`]: the traffic loop (rate, clears, load gauges) over a request source.
 //! - [`capture`]: playback of recorded captures (`testdata/fixtures/*.jsonl`).
 //! - [`fleet`]: N relays in one process (the relay's own server code, each on its own port), for
-//!   routers to follow, with restarts under a new epoch and disappearances on demand.
+//!   routers to follow: a steady stream of records, and restarts under a new epoch,
+//!   disappearances and slow relays on demand.
 //! - [`fixtures`]: the fixtures with their manifests: expected live blocks, hash settings, playback.
 //! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).

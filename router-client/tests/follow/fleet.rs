@@ -1,11 +1,13 @@
 //! A follower over a fleet of 100 relays (`kv_relay_testkit::fleet`: the relay's own server
 //! code on 100 ports of 127.0.0.1): every relay caught up with the exact blocks, resyncs bounded,
 //! a relay restarting with a new epoch resynced by one snapshot without disturbing any other, a
-//! relay that disappears reported unreachable alone.
+//! relay that disappears reported unreachable alone; under a steady stream of records every live
+//! set followed exactly, and a slow relay (stalled, then throttled) left behind and caught up
+//! alone.
 
 use std::time::Duration;
 
-use kv_relay_testkit::fleet::Fleet;
+use kv_relay_testkit::fleet::{Fleet, StreamConfig};
 use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::{FollowConfig, Follower, ResyncSlots, WorkerState};
 
@@ -18,14 +20,12 @@ fn caught_up(f: &Follower, fleet: &Fleet) -> bool {
     let relays = f.relays();
     relays.len() == fleet.relays.len()
         && relays.iter().zip(&fleet.relays).all(|(r, fr)| {
-            r.epoch == fr.store.epoch() && r.cursor == fr.store.newest_cursor() && !r.syncing && !r.staging
+            r.epoch == fr.store().epoch() && r.cursor == fr.store().newest_cursor() && !r.syncing && !r.staging
         })
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_follower_follows_a_hundred_relays_and_a_restart_disturbs_no_other() {
-    let mut fleet = Fleet::start(RELAYS, 5, BLOCKS).await;
-    let f = Follower::new(FollowConfig {
+fn follower() -> Follower {
+    Follower::new(FollowConfig {
         max_concurrent_resyncs: 16,
         start_jitter: Duration::from_millis(200),
         backoff: BackoffConfig {
@@ -36,12 +36,23 @@ async fn a_follower_follows_a_hundred_relays_and_a_restart_disturbs_no_other() {
         },
         stale_after: Duration::from_secs(600),
         ..FollowConfig::default()
-    });
-    // Follower::relays() lists by URL: keep the fleet's order the same.
+    })
+}
+
+/// A follower of every relay of `fleet` (sorted by URL, as `Follower::relays()` lists them).
+fn follow(fleet: &mut Fleet) -> Follower {
+    let f = follower();
     fleet.relays.sort_by_key(|r| r.url());
     for u in fleet.urls() {
         f.add_relay(&u).unwrap();
     }
+    f
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_follows_a_hundred_relays_and_a_restart_disturbs_no_other() {
+    let mut fleet = Fleet::start(RELAYS, 5, BLOCKS).await;
+    let f = follow(&mut fleet);
     until("every relay caught up", || caught_up(&f, &fleet)).await;
     assert_eq!(f.index().stats().blocks, RELAYS * 5 * BLOCKS);
     fleet.tick();
@@ -76,6 +87,54 @@ async fn a_follower_follows_a_hundred_relays_and_a_restart_disturbs_no_other() {
     let mut want = vec![WorkerState::Fresh; RELAYS];
     want[3] = WorkerState::RelayUnreachable;
     assert_eq!(states, want);
+    f.shutdown().await;
+    fleet.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_steady_stream_is_followed_exactly_and_a_slow_relay_falls_behind_and_catches_up_alone() {
+    const N: usize = 20;
+    const SLOW: usize = 5;
+    // 10 batches of 8 blocks: 80 live blocks a relay.
+    let mut fleet = Fleet::start(N, 10, BLOCKS).await;
+    let f = follow(&mut fleet);
+    until("every relay caught up", || caught_up(&f, &fleet)).await;
+    let reconnects = |f: &Follower| -> Vec<u64> { f.relays().iter().map(|r| r.counters.reconnects).collect() };
+    let before = reconnects(&f);
+
+    // Relay 5 stalls; 10 records of 4 stores and 4 removals go to every relay.
+    fleet.slow(SLOW, 0).await;
+    let report =
+        fleet.stream(StreamConfig { records_per_second: 2000.0, stores: 4, removes: 4, limit: Some(200) }).wait();
+    assert_eq!(report.records, 200);
+    let others_caught_up = |f: &Follower| {
+        f.relays()
+            .iter()
+            .zip(&fleet.relays)
+            .enumerate()
+            .all(|(i, (r, fr))| i == SLOW || r.cursor == fr.store().newest_cursor())
+    };
+    until("every relay but the slow one caught up", || others_caught_up(&f)).await;
+    let relays = f.relays();
+    assert_eq!((relays[SLOW].cursor, fleet.relays[SLOW].store().newest_cursor()), (10, 20));
+    assert_eq!(fleet.relays[SLOW].live(), 40..120);
+
+    // Throttled to 16 KiB/s, it catches up; then it is recovered.
+    fleet.slow(SLOW, 16 << 10).await;
+    until("the slow relay caught up", || caught_up(&f, &fleet)).await;
+    fleet.recover(SLOW);
+    fleet.tick();
+    until("every relay caught up after a tick", || caught_up(&f, &fleet)).await;
+
+    // Exact live sets: 80 a relay after the stream, 8 more after the tick; no snapshot, and no
+    // relay but the slow one reconnected.
+    assert_eq!(f.index().stats().blocks, N * (80 + BLOCKS));
+    let mut want = vec![0u64; N];
+    want[SLOW] = 1;
+    let got = reconnects(&f);
+    let moved: Vec<u64> = got.iter().zip(&before).map(|(a, b)| u64::from(a != b)).collect();
+    assert_eq!(moved, want);
+    assert_eq!(f.counters().snapshots, 0);
     f.shutdown().await;
     fleet.stop().await;
 }

@@ -31,11 +31,17 @@ impl Proxy {
     /// Forwards connections on a new loopback port to `target`.
     pub fn start(rt: &tokio::runtime::Handle, target: SocketAddr) -> Proxy {
         let listener = rt.block_on(TcpListener::bind("127.0.0.1:0")).expect("bind the proxy");
+        let _in_rt = rt.enter();
+        Proxy::serve(listener, target)
+    }
+
+    /// Forwards connections on `listener` to `target` (on the current runtime).
+    pub fn serve(listener: TcpListener, target: SocketAddr) -> Proxy {
         let addr = listener.local_addr().expect("proxy address");
         let (cut, cut_rx) = watch::channel(false);
         let slow = Arc::new(Slow::default());
         let s = slow.clone();
-        let task = rt.spawn(async move {
+        let task = tokio::spawn(async move {
             loop {
                 let Ok((down, _)) = listener.accept().await else { continue };
                 if *cut_rx.borrow() {
