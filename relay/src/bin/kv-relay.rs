@@ -7,39 +7,13 @@ use kv_relay::config_file::{self, LoadError};
 use kv_relay::notify;
 use std::process::ExitCode;
 
-/// mimalloc: the relay allocates and frees per block (decode, commit, encode), where glibc's
-/// malloc cost about a third of its CPU (docs/benchmarks.md).
+/// mimalloc, returning freed memory at once (`kv_relay_alloc`): the relay allocates and frees
+/// per block (decode, commit, encode), where glibc's malloc cost a third of its CPU.
 #[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// mimalloc's options, as `mi_option_e` numbers them in the version Cargo.lock pins
-/// (libmimalloc-sys 0.1.49, mimalloc v3); the test below checks their defaults.
-#[allow(unsafe_code)]
-mod mi {
-    use std::os::raw::{c_int, c_long};
-    pub const ARENA_EAGER_COMMIT: c_int = 4;
-    pub const PURGE_DELAY: c_int = 15;
-    extern "C" {
-        pub fn mi_option_set(option: c_int, value: c_long);
-        #[cfg(test)]
-        pub fn mi_option_get(option: c_int) -> c_long;
-    }
-}
-
-/// Memory freed goes back to the system at once, and arenas are committed as they are used.
-/// With mimalloc's defaults (freed memory purged after 1 s, arenas committed whole) the relay
-/// held 344 MiB at a million live blocks and 58 MiB idle; set so, 210 and 14 MiB.
-#[allow(unsafe_code)]
-fn tune_allocator() {
-    // SAFETY: plain setters of mimalloc's global options; any value is valid for both.
-    unsafe {
-        mi::mi_option_set(mi::PURGE_DELAY, 0);
-        mi::mi_option_set(mi::ARENA_EAGER_COMMIT, 0);
-    }
-}
+static ALLOC: kv_relay_alloc::Allocator = kv_relay_alloc::Allocator;
 
 fn main() -> ExitCode {
-    tune_allocator();
+    kv_relay_alloc::tune();
     let inv = match config_file::parse(std::env::args_os()) {
         Ok(inv) => inv,
         Err(e @ LoadError::Usage(_)) => {
@@ -122,22 +96,5 @@ fn main() -> ExitCode {
             eprintln!("kv-relay: {e}");
             ExitCode::FAILURE
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::mi;
-
-    #[test]
-    #[allow(unsafe_code)]
-    fn the_allocator_options_are_the_ones_meant() {
-        // mimalloc v3's defaults (its options.c): a renumbered enum would read other options here.
-        // SAFETY: plain getters of mimalloc's global options.
-        let (eager, purge) = unsafe { (mi::mi_option_get(mi::ARENA_EAGER_COMMIT), mi::mi_option_get(mi::PURGE_DELAY)) };
-        assert_eq!((eager, purge), (2, 1000));
-        super::tune_allocator();
-        let (eager, purge) = unsafe { (mi::mi_option_get(mi::ARENA_EAGER_COMMIT), mi::mi_option_get(mi::PURGE_DELAY)) };
-        assert_eq!((eager, purge), (0, 0));
     }
 }
