@@ -63,8 +63,9 @@
 //! Memory: the allocator's live bytes after the stream, minus before the peer was built
 //! (events a peer consumes are freed by then); for `ConcurrentRadixTreeCompressed` also after
 //! the sweep of worker-less nodes it runs at most every 5 minutes (longer than a run), which
-//! the bench runs (`swept`; the ratios are given against both). Per distinct block (live hashes held by any
-//! worker) and per (worker, block) pair, both from the simulation's final state. Each peer's
+//! the bench runs (`swept`; the ratios are given against both); for the index, also where its
+//! bytes are, by structure (`PrefixIndex::memory_breakdown`). Per distinct block (live hashes
+//! held by any worker) and per (worker, block) pair, both from the simulation's final state. Each peer's
 //! part of a run starts with a reading of the core (`Cores`: this machine's vCPUs are slowed
 //! from outside at times), printed with its row; the ratios are also given over the runs
 //! where both parts read an undisturbed core.
@@ -79,7 +80,9 @@ use std::time::{Duration, Instant};
 
 use cap::Cap;
 use kv_router_client::index::reference::ReferenceIndex;
-use kv_router_client::index::{IndexConfig, LookupResult, PrefixIndex, StagedSnapshot, TierId, WorkerId};
+use kv_router_client::index::{
+    IndexConfig, LookupResult, MemoryBreakdown, PrefixIndex, StagedSnapshot, TierId, WorkerId,
+};
 
 #[global_allocator]
 static ALLOCATOR: Cap<System> = Cap::new(System, usize::MAX);
@@ -383,6 +386,8 @@ struct Row {
     /// What the timer adds to each latency sample, read on the lookup thread right after its
     /// run (`timer_cost`).
     timer: Duration,
+    /// Ours: where its bytes are (`PrefixIndex::memory_breakdown`), after the stream.
+    parts: Option<MemoryBreakdown>,
 }
 
 impl Row {
@@ -451,13 +456,17 @@ fn row(ops: usize, elapsed: Duration, (lat, timer): (Vec<u64>, Duration), before
     let (p50, p99, lookups) = (pct(&lat, 0.5), pct(&lat, 0.99), lat.len());
     drop(lat);
     let bytes = ALLOCATOR.allocated().saturating_sub(before) as f64;
-    Row { ops_per_s: ops as f64 / elapsed.as_secs_f64(), p50, p99, lookups, bytes, swept: bytes, timer }
+    Row { ops_per_s: ops as f64 / elapsed.as_secs_f64(), p50, p99, lookups, bytes, swept: bytes, timer, parts: None }
 }
 
 /// An index applied directly by writer threads (ours, and the reference behind a mutex).
 trait Direct: Send + Sync {
     fn apply(&self, op: &Op);
     fn lookup(&self, hashes: &[u64]) -> u64;
+    /// Where the index's bytes are, if it can tell.
+    fn parts(&self) -> Option<MemoryBreakdown> {
+        None
+    }
 }
 
 fn wid(raw: u32) -> WorkerId {
@@ -480,6 +489,9 @@ impl Direct for PrefixIndex {
             self.lookup_into(hashes, &mut out);
             out.iter().map(|m| m.blocks as u64).sum()
         })
+    }
+    fn parts(&self) -> Option<MemoryBreakdown> {
+        Some(self.memory_breakdown())
     }
 }
 
@@ -537,7 +549,7 @@ fn run_direct<I: Direct>(w: &Workload, threads: usize, pace: Option<f64>, make: 
         done.store(true, Ordering::Relaxed);
         (elapsed, reader.join().expect("reader"))
     });
-    let r = row(w.block_ops, elapsed, lat, before);
+    let r = Row { parts: index.parts(), ..row(w.block_ops, elapsed, lat, before) };
     drop(index);
     r
 }
@@ -856,7 +868,7 @@ fn analyze(w: &Workload, reps: usize, lookup_reps: usize) {
             );
         }
     }
-    println!("  {:?}, {} B", index.stats(), index.memory_bytes());
+    println!("  {:?}, {} B: {:?}", index.stats(), index.memory_bytes(), index.memory_breakdown().parts());
     if std::env::args().any(|a| a == "--hot") {
         hot(&index, w);
     }
@@ -1055,6 +1067,12 @@ fn compare(o: &Opts, runners: &[Runner], placement: Placement, copies: u32, w: &
                 c.alone * 1e6,
                 c.beside,
             );
+            if let Some(parts) = r.parts {
+                let per = |b: usize| b as f64 / w.pairs.max(1) as f64;
+                let list: Vec<String> =
+                    parts.parts().iter().map(|&(what, b)| format!("{what} {:.1}", per(b))).collect();
+                println!("      B/pair by structure: {:.1}: {}", per(parts.total()), list.join(", "));
+            }
             if o.half_rate && *paced {
                 let h = f(w, Some(r.ops_per_s / 2.0));
                 println!(

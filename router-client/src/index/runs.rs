@@ -415,6 +415,29 @@ impl Runs {
         (st.fresh as usize - free, free)
     }
 
+    /// [`Runs::bytes`] by use: `(entries, slack, headers, free, pool)`: the valid entries
+    /// of pages in use (a hash each), their other entries, their headers (valid word, stamp
+    /// and links), the pages not in use (free, waiting for a grace period, or never handed
+    /// out in an allocated chunk), and the pool's directory and bookkeeping.
+    pub fn bytes_by_use(&self) -> (usize, usize, usize, usize, usize) {
+        let (mut owned, mut valid) = (0, 0);
+        let fresh = lock(&self.state).fresh;
+        for page in 0..fresh {
+            let p = self.page(page * PAGE).expect("allocated");
+            if owner(p.stamp.load(Ordering::Relaxed)).is_some() {
+                owned += 1;
+                valid += p.valid.load(Ordering::Relaxed).count_ones() as usize;
+            }
+        }
+        let entry = std::mem::size_of::<AtomicU64>();
+        let page = std::mem::size_of::<Page>();
+        let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();
+        let free = (chunks * CHUNK - owned) * page;
+        let (entries, slack) = (valid * entry, (owned * PAGE as usize - valid) * entry);
+        let headers = owned * (page - PAGE as usize * entry);
+        (entries, slack, headers, free, self.bytes() - entries - slack - headers - free)
+    }
+
     /// Heap bytes: allocated chunks, the directory and the bookkeeping.
     pub fn bytes(&self) -> usize {
         let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();

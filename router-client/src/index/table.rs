@@ -495,6 +495,20 @@ impl Table {
             + self.slots.len() * std::mem::size_of::<Slot>()
     }
 
+    /// Bytes of this table's slots by state, each slot with its share of its group's control
+    /// word: `(live, dead, empty)`; [`Table::bytes`] less these is the version counters and
+    /// the header.
+    pub fn slot_bytes(&self) -> (usize, usize, usize) {
+        let per = |n: usize| n * (std::mem::size_of::<Slot>() * GROUP + 8) / GROUP;
+        let (live, dead) = (self.live(), self.tombs());
+        (per(live), per(dead), self.bytes() - self.versions_bytes() - per(live) - per(dead))
+    }
+
+    /// Bytes of the version counters and the header.
+    pub fn versions_bytes(&self) -> usize {
+        std::mem::size_of::<Self>() + self.versions.len() * std::mem::size_of::<Version>()
+    }
+
     fn max_used(&self) -> usize {
         self.capacity() - self.capacity() / 8
     }
