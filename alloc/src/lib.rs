@@ -6,10 +6,18 @@
 //! static ALLOC: kv_relay_alloc::Allocator = kv_relay_alloc::Allocator;
 //!
 //! fn main() {
-//!     kv_relay_alloc::tune();
+//!     if !kv_relay_alloc::tuned() { /* warn: the options were set late */ }
 //!     // ...
 //! }
 //! ```
+//!
+//! **When they are set.** mimalloc reserves its first arena with the first allocation, so an
+//! option of arenas set in `main` comes too late for the memory the process lives in: set from
+//! `main`, the relay idled at 53.8 MiB; set here, at 12.2 MiB (2026-12-03).
+//! On Linux this crate sets them as defaults from a constructor that runs before mimalloc's own
+//! (`.init_array` with priority 100; mimalloc's runs at 101 or later), so `MIMALLOC_PURGE_DELAY`
+//! and `MIMALLOC_ARENA_EAGER_COMMIT` in the environment still override them. Elsewhere [`tuned`]
+//! sets them, late.
 //!
 //! Why (docs/benchmarks.md): glibc's malloc and free were a third of the relay's CPU at
 //! 1,000-2,000 batches a second. With mimalloc's defaults (freed memory purged after 1 s, arenas
@@ -19,46 +27,94 @@
 
 pub use mimalloc::MiMalloc as Allocator;
 
-/// mimalloc's options, as `mi_option_e` numbers them in the version Cargo.lock pins
-/// (libmimalloc-sys 0.1.49, mimalloc v3); a test checks their defaults.
+use std::os::raw::{c_char, c_int, c_long, c_void};
+
+/// The options set: mimalloc's name, its number in `mi_option_e` (the version Cargo.lock pins,
+/// libmimalloc-sys 0.1.49, mimalloc v3; a test reads them back by name), the value.
+const OPTIONS: [(&str, c_int, c_long); 2] = [("arena_eager_commit", 4, 0), ("purge_delay", 15, 0)];
+
 #[allow(unsafe_code)]
 mod mi {
-    use std::os::raw::{c_int, c_long};
-    pub const ARENA_EAGER_COMMIT: c_int = 4;
-    pub const PURGE_DELAY: c_int = 15;
+    use std::os::raw::{c_char, c_int, c_long, c_void};
+    pub type Output = unsafe extern "C" fn(msg: *const c_char, arg: *mut c_void);
     extern "C" {
+        pub fn mi_option_set_default(option: c_int, value: c_long);
         pub fn mi_option_set(option: c_int, value: c_long);
-        #[cfg(test)]
-        pub fn mi_option_get(option: c_int) -> c_long;
+        pub fn mi_options_print_out(out: Output, arg: *mut c_void);
     }
 }
 
-/// Sets mimalloc's options: freed memory purged at once, arenas committed as used. Call it
-/// first thing in `main`.
+/// Runs before mimalloc's constructor (and so before any allocation through it): lower
+/// priorities of `.init_array` run first.
+#[cfg(target_os = "linux")]
 #[allow(unsafe_code)]
-pub fn tune() {
-    // SAFETY: plain setters of mimalloc's global options; any value is valid for both.
-    unsafe {
-        mi::mi_option_set(mi::PURGE_DELAY, 0);
-        mi::mi_option_set(mi::ARENA_EAGER_COMMIT, 0);
+#[used]
+#[link_section = ".init_array.00100"]
+static SET_BEFORE_INIT: extern "C" fn() = set_defaults;
+
+#[allow(unsafe_code)]
+extern "C" fn set_defaults() {
+    for (_, option, value) in OPTIONS {
+        // SAFETY: a plain setter of mimalloc's static option table, valid before its init.
+        unsafe { mi::mi_option_set_default(option, value) };
     }
+}
+
+/// mimalloc's options as it reports them (`mi_options_print_out`): each option's name and value.
+#[allow(unsafe_code)]
+pub fn options() -> Vec<(String, c_long)> {
+    unsafe extern "C" fn collect(msg: *const c_char, arg: *mut c_void) {
+        // SAFETY: mimalloc passes a NUL-terminated line; `arg` is the `String` below.
+        let (msg, out) = unsafe { (std::ffi::CStr::from_ptr(msg), &mut *(arg as *mut String)) };
+        out.push_str(&msg.to_string_lossy());
+    }
+    let mut text = String::new();
+    // SAFETY: `collect` only appends to `text`, which outlives the call.
+    unsafe { mi::mi_options_print_out(collect, &mut text as *mut String as *mut c_void) };
+    text.lines()
+        .filter_map(|l| {
+            let (name, rest) = l.strip_prefix("option '")?.split_once("': ")?;
+            Some((name.to_string(), rest.split_whitespace().next()?.parse().ok()?))
+        })
+        .collect()
+}
+
+/// Whether mimalloc runs with this crate's options (or the environment's for them), set before
+/// its first arena. Where the constructor does not run (not Linux) it sets them now and says
+/// `false`: too late for the first arena. Call it first thing in `main`.
+#[allow(unsafe_code)]
+pub fn tuned() -> bool {
+    if !cfg!(target_os = "linux") {
+        for (_, option, value) in OPTIONS {
+            // SAFETY: a plain setter of mimalloc's global options; any value is valid for both.
+            unsafe { mi::mi_option_set(option, value) };
+        }
+        return false;
+    }
+    let all = options();
+    OPTIONS.iter().all(|&(name, _, value)| {
+        std::env::var_os(format!("MIMALLOC_{}", name.to_uppercase())).is_some()
+            || all.iter().any(|(n, v)| n == name && *v == value)
+    })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::mi;
-
-    #[allow(unsafe_code)]
-    fn options() -> (i64, i64) {
-        // SAFETY: plain getters of mimalloc's global options.
-        unsafe { (mi::mi_option_get(mi::ARENA_EAGER_COMMIT) as i64, mi::mi_option_get(mi::PURGE_DELAY) as i64) }
-    }
+    use super::{options, OPTIONS};
 
     #[test]
-    fn the_options_set_are_the_ones_meant() {
-        // mimalloc v3's defaults (its options.c): a renumbered enum would read other options.
-        assert_eq!(options(), (2, 1000));
-        super::tune();
-        assert_eq!(options(), (0, 0));
+    fn the_options_are_set_before_main_and_by_name() {
+        // Read by name, so a renumbered `mi_option_e` fails here; the environment of the test
+        // must not set them (it would override the values).
+        let all = options();
+        for (name, _, value) in OPTIONS {
+            assert!(std::env::var_os(format!("MIMALLOC_{}", name.to_uppercase())).is_none());
+            let got: Vec<_> = all.iter().filter(|(n, _)| n == name).map(|(_, v)| *v).collect();
+            assert_eq!(got, vec![value], "{name} in {all:?}");
+        }
+        // mimalloc's own defaults for two it is not told about, as its options.c has them.
+        let of = |name: &str| all.iter().find(|(n, _)| n == name).map(|(_, v)| *v);
+        assert_eq!((of("purge_decommits"), of("arena_purge_mult")), (Some(1), Some(1)));
+        assert!(super::tuned());
     }
 }

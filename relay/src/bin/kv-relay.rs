@@ -13,7 +13,6 @@ use std::process::ExitCode;
 static ALLOC: kv_relay_alloc::Allocator = kv_relay_alloc::Allocator;
 
 fn main() -> ExitCode {
-    kv_relay_alloc::tune();
     let inv = match config_file::parse(std::env::args_os()) {
         Ok(inv) => inv,
         Err(e @ LoadError::Usage(_)) => {
@@ -38,6 +37,12 @@ fn main() -> ExitCode {
         tracing_subscriber::fmt().json().with_env_filter(filter).init();
     } else {
         tracing_subscriber::fmt().with_env_filter(filter).init();
+    }
+    if !kv_relay_alloc::tuned() {
+        tracing::warn!(
+            "mimalloc's options were set after its first arena: idle memory may stay higher; set \
+             MIMALLOC_PURGE_DELAY=0 and MIMALLOC_ARENA_EAGER_COMMIT=0 in the environment"
+        );
     }
     let rt = match tokio::runtime::Runtime::new() {
         Ok(rt) => rt,
