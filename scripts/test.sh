@@ -53,6 +53,8 @@ cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookup
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 # A router following a fleet (20 relays, a kv-router process, DNS, a snapshot storm): seconds.
 cargo test --locked -p kv-router-client --bench fleet -- --quick
+# What a `/match` answer costs (10 relays x 2 ranks), checked against the old path byte for byte.
+cargo test --locked -p kv-router-client --bench match -- --quick
 
 disk
 

@@ -27,6 +27,7 @@ use kv_relay_proto::pb::subscribe_response::Message as M;
 use tokio::time::Instant;
 
 use crate::index::{PrefixIndex, StagedSnapshot, TierId, WorkerId};
+use crate::matches::{RelayView, WorkerSlot};
 use crate::worker::{Load, WorkerInfo, WorkerState};
 
 /// Where a client stands in one relay's history: what it sends back to resume.
@@ -603,19 +604,14 @@ impl RelayAdmission {
             .iter()
             .map(|(&dp_rank, w)| {
                 let ago = w.last_seen.map(|t| now.saturating_duration_since(t));
-                let state = if self.syncing {
-                    WorkerState::Syncing
-                } else if !self.connected {
-                    WorkerState::RelayUnreachable
-                } else if ago.is_none_or(|a| a > stale_after) {
-                    WorkerState::Stale
-                } else if w.degraded.is_some() {
-                    WorkerState::Degraded
-                } else if w.incomplete.is_some() {
-                    WorkerState::Incomplete
-                } else {
-                    WorkerState::Fresh
-                };
+                let state = WorkerState::of(
+                    self.syncing,
+                    self.connected,
+                    ago,
+                    stale_after,
+                    w.degraded.is_some(),
+                    w.incomplete.is_some(),
+                );
                 WorkerInfo {
                     relay: self.url.clone(),
                     dp_rank,
@@ -631,5 +627,26 @@ impl RelayAdmission {
                 }
             })
             .collect()
+    }
+
+    /// What a match reads of the relay's workers, by rank (see [`RelayView`]).
+    pub(crate) fn view(&self) -> RelayView {
+        RelayView {
+            url: self.url.clone(),
+            syncing: self.syncing,
+            connected: self.connected,
+            workers: self
+                .workers
+                .iter()
+                .map(|(&dp_rank, w)| WorkerSlot {
+                    dp_rank,
+                    id: w.id,
+                    load: w.load,
+                    last_seen: w.last_seen,
+                    degraded: w.degraded.is_some(),
+                    incomplete: w.incomplete.is_some(),
+                })
+                .collect(),
+        }
     }
 }

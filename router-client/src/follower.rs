@@ -7,10 +7,11 @@
 //! resume. It returns as soon as its stop signal fires: when the relay is removed, or when the
 //! last clone of the [`Follower`] is dropped (`tokio::select! { biased; _ = stop => return, .. }`).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_relay_proto::pb;
 use kv_relay_proto::pb::relay_client::RelayClient;
@@ -28,6 +29,7 @@ use crate::backoff::{Backoff, BackoffConfig};
 use crate::discovery::{DiscoveryCounters, DiscoveryStats};
 use crate::error::{ClientError, StreamError};
 use crate::index::{IndexConfig, PrefixIndex};
+use crate::matches::{MatchOptions, Matches, RelayView};
 use crate::worker::{Load, WorkerInfo, WorkerState};
 
 /// The follower's settings.
@@ -156,6 +158,29 @@ struct Relay {
     /// Taken briefly by the relay's task for each message, and by readers (`workers()`,
     /// `relays()`); never held across an `.await`.
     admission: Mutex<RelayAdmission>,
+    /// What matches read of the workers: published after each change ([`Relay::update`]), read
+    /// without the lock.
+    view: ArcSwap<RelayView>,
+}
+
+impl Relay {
+    fn new(url: Arc<str>, endpoint: Endpoint) -> Self {
+        Relay {
+            admission: Mutex::new(RelayAdmission::new(url.clone())),
+            view: ArcSwap::from_pointee(RelayView::empty(url.clone())),
+            url,
+            endpoint,
+        }
+    }
+
+    /// Changes the admission, then publishes its view (under the lock, so views follow the
+    /// changes' order).
+    fn update<R>(&self, change: impl FnOnce(&mut RelayAdmission) -> R) -> R {
+        let mut a = lock(&self.admission);
+        let r = change(&mut a);
+        self.view.store(Arc::new(a.view()));
+        r
+    }
 }
 
 struct Shared {
@@ -284,8 +309,7 @@ impl Follower {
             if relays.contains_key(&url) {
                 return Err(ClientError::AlreadyFollowing(url.to_string()));
             }
-            let relay =
-                Arc::new(Relay { url: url.clone(), endpoint, admission: Mutex::new(RelayAdmission::new(url.clone())) });
+            let relay = Arc::new(Relay::new(url.clone(), endpoint));
             relays.insert(url.clone(), relay.clone());
             relay
         };
@@ -302,11 +326,10 @@ impl Follower {
         let Some(relay) = relay else {
             return Err(ClientError::NotFollowing(url.to_string()));
         };
-        {
-            let mut a = lock(&relay.admission);
+        relay.update(|a| {
             a.remove(&self.shared.index);
             *lock(&self.shared.removed) += a.counters();
-        }
+        });
         if let Some(t) = task {
             let _ = t.stop.send(());
         }
@@ -367,40 +390,29 @@ impl Follower {
     }
 
     /// For a request's block hashes, every known worker that is ready (all but
-    /// [`WorkerState::Syncing`] ones) with the leading blocks it holds (any tier, and per tier),
-    /// its state and load. Workers holding none have `matched_blocks: 0`.
+    /// [`WorkerState::Syncing`] ones), by relay then rank, with the leading blocks it holds (any
+    /// tier, and per tier), its state and load. Workers holding none have `matched_blocks: 0`.
+    /// [`Follower::matches`] is the same answer without a map of tier names per worker, and can
+    /// list fewer workers.
     pub fn match_blocks(&self, hashes: &[u64]) -> Vec<Match> {
-        let mut workers = self.workers();
-        workers.retain(|w| w.state != WorkerState::Syncing);
+        self.matches(hashes, MatchOptions::default()).to_vec()
+    }
+
+    /// For a request's block hashes, the ready workers `opts` asks for (by default every one,
+    /// by relay then rank; see [`MatchOptions`]) with the leading blocks each holds, as
+    /// [`Follower::match_blocks`] gives them. Takes no relay's lock: each relay's task
+    /// publishes its workers' state after each change, and this reads those; tier names are
+    /// read once per call.
+    pub fn matches(&self, hashes: &[u64], opts: MatchOptions) -> Matches {
         let result = self.shared.index.lookup(hashes);
-        let tiers = self.shared.index.tiers();
-        let found: HashMap<_, _> = result.iter().map(|m| (m.worker, m)).collect();
-        workers
-            .into_iter()
-            .map(|w| {
-                let m = found.get(&w.id);
-                let by_tier = m
-                    .map(|m| {
-                        m.tiers
-                            .iter()
-                            .map(|r| {
-                                let name =
-                                    tiers.name(r.tier).map_or_else(|| r.tier.get().to_string(), |n| n.to_string());
-                                (name, r.blocks)
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                Match {
-                    relay: w.relay,
-                    dp_rank: w.dp_rank,
-                    matched_blocks: m.map_or(0, |m| m.blocks),
-                    by_tier,
-                    load: w.load,
-                    state: w.state,
-                }
-            })
-            .collect()
+        let relays = if opts.matched_only && result.is_empty() {
+            Vec::new()
+        } else {
+            let relays = self.shared.relays.read().unwrap_or_else(PoisonError::into_inner);
+            relays.values().map(|r| r.view.load_full()).collect()
+        };
+        let tiers = self.shared.index.tiers().names();
+        Matches::new(relays, result, tiers, Instant::now(), self.shared.cfg.stale_after, opts)
     }
 
     /// [`Follower::match_blocks`] for a request given by its token ids (and salt, LoRA, ...):
@@ -508,10 +520,9 @@ async fn follow(relay: Arc<Relay>, shared: Arc<Shared>, mut stop: oneshot::Recei
             e = session(&relay, &shared, &mut backoff, &mut hint) => e,
         };
         let mut events = Vec::new();
-        {
-            let mut a = lock(&relay.admission);
+        let removed = relay.update(|a| {
             if a.is_removed() {
-                return;
+                return true;
             }
             if matches!(err, StreamError::ReceiveTimeout(_)) {
                 a.count_receive_timeout();
@@ -519,6 +530,10 @@ async fn follow(relay: Arc<Relay>, shared: Arc<Shared>, mut stop: oneshot::Recei
             a.set_syncing(false);
             a.on_disconnected(err.to_string(), &mut events);
             shared.emit(&mut events);
+            false
+        });
+        if removed {
+            return;
         }
         let delay = match &err {
             StreamError::Unauthenticated(_) => backoff.max_delay(),
@@ -549,7 +564,7 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
     }
     // A resync slot from the Subscribe until the stream's first message outside a snapshot.
     // Taken after connecting, so that relays that are down hold no slot.
-    lock(&relay.admission).set_syncing(true);
+    relay.update(|a| a.set_syncing(true));
     let mut slot = Some({
         let _waiting = Waiting::new(&shared.resyncs_waiting);
         match shared.resyncs.acquire().await {
@@ -567,11 +582,10 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
         Ok(Ok(r)) => r.into_inner(),
     };
     let mut events = Vec::new();
-    {
-        let mut a = lock(&relay.admission);
+    relay.update(|a| {
         a.on_connected(&mut events);
         shared.emit(&mut events);
-    }
+    });
     let mut deadline = Instant::now() + cfg.receive_timeout;
     let mut status_tick = tokio::time::interval_at(Instant::now() + cfg.status_interval, cfg.status_interval);
     status_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -589,8 +603,7 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
                 };
                 let now = Instant::now();
                 deadline = now + cfg.receive_timeout;
-                let verdict = {
-                    let mut a = lock(&relay.admission);
+                let verdict = relay.update(|a| {
                     let v = a.apply(msg, &shared.index, now, &mut events);
                     if slot.is_some() && !a.is_staging() {
                         a.set_syncing(false);
@@ -598,7 +611,7 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
                     }
                     shared.emit(&mut events);
                     v
-                };
+                });
                 match verdict {
                     Verdict::Continue => backoff.reset(),
                     Verdict::Resume(why) => return StreamError::Resume(why),
@@ -637,7 +650,7 @@ async fn poll_status(client: &mut RelayClient<Channel>, relay: &Relay, shared: &
         Err(_) => Err(StreamError::Connect("status timed out".into())),
         Ok(Err(status)) => Err(stream_error(status)),
         Ok(Ok(st)) => {
-            lock(&relay.admission).apply_status(st.get_ref(), &shared.index);
+            relay.update(|a| a.apply_status(st.get_ref(), &shared.index));
             Ok(())
         }
     }

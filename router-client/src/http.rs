@@ -5,6 +5,7 @@
 
 use std::fmt::Write as _;
 use std::future::Future;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 
 use axum::body::Bytes;
@@ -17,7 +18,8 @@ use kv_relay_proto::hash::{EngineHashConfig, EngineVersion, LoraRef, RequestKeys
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
-use crate::follower::{Follower, Match, RelayInfo};
+use crate::follower::{Follower, RelayInfo};
+use crate::matches::{MatchOptions, Matches};
 use crate::worker::{WorkerInfo, WorkerState};
 
 /// The largest `/match` request body (token ids of a long prompt fit easily).
@@ -42,6 +44,25 @@ pub struct MatchRequest {
     /// The request's LoRA adapter (vLLM: name and path; SGLang: `name` is the radix extra key).
     #[serde(default)]
     pub lora: Option<LoraSettings>,
+    /// List only the workers holding at least the request's first block (default: every ready
+    /// worker). See [`MatchOptions::matched_only`].
+    #[serde(default)]
+    pub matched_only: bool,
+    /// List at most this many workers (at least 1): the most matched blocks first, ties by
+    /// relay URL then rank. See [`MatchOptions::limit`].
+    #[serde(default)]
+    pub limit: Option<u64>,
+}
+
+impl MatchRequest {
+    /// The request's [`MatchOptions`], or why they are invalid.
+    pub fn options(&self) -> Result<MatchOptions, String> {
+        let limit = match self.limit.map(|k| NonZeroUsize::new(usize::try_from(k).unwrap_or(usize::MAX))) {
+            Some(None) => return Err("\"limit\" must be at least 1 (leave it out to list every worker)".into()),
+            limit => limit.flatten(),
+        };
+        Ok(MatchOptions { matched_only: self.matched_only, limit })
+    }
 }
 
 /// A LoRA adapter as the engine hashes it.
@@ -106,8 +127,8 @@ impl HashSettings {
 pub struct MatchResponse {
     /// The request's block hashes (computed when token ids were given).
     pub blocks: usize,
-    /// Every known worker, by relay then rank.
-    pub workers: Vec<Match>,
+    /// The ready workers the request asked for: by default every one, by relay then rank.
+    pub workers: Matches,
 }
 
 #[derive(Serialize)]
@@ -142,6 +163,7 @@ fn bad_request(msg: impl Into<String>) -> Response {
 
 /// Answers a match request (the body of `POST /match`).
 pub fn answer_match(follower: &Follower, req: &MatchRequest) -> Result<MatchResponse, String> {
+    let opts = req.options()?;
     let hashes = match (&req.block_hashes, &req.token_ids, &req.hash) {
         (Some(h), None, None) => h.clone(),
         (None, Some(tokens), Some(settings)) => {
@@ -158,7 +180,7 @@ pub fn answer_match(follower: &Follower, req: &MatchRequest) -> Result<MatchResp
         (None, Some(_), None) => return Err("token_ids need the engine's hash settings in \"hash\"".into()),
         _ => return Err("give either \"block_hashes\", or \"token_ids\" with \"hash\"".into()),
     };
-    Ok(MatchResponse { blocks: hashes.len(), workers: follower.match_blocks(&hashes) })
+    Ok(MatchResponse { blocks: hashes.len(), workers: follower.matches(&hashes, opts) })
 }
 
 async fn post_match(State(f): State<Arc<Follower>>, body: Bytes) -> Response {

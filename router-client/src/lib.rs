@@ -14,6 +14,8 @@
 //!   an address missing from DNS is dropped).
 //! - [`admission`]: the admission rules, pure: exactly-once cursor order per relay, rank
 //!   resets, flags, staged snapshots swapped in atomically.
+//! - [`matches`]: a match's answer ([`Matches`]) read from each relay's published view of its
+//!   workers, and the options that list fewer workers ([`MatchOptions`]).
 //! - [`worker`]: what a router is told about a worker: load, freshness, state.
 //! - [`backoff`]: jittered exponential backoff.
 //! - [`http`]: the example router's HTTP API (`POST /match`, `GET /workers`, `GET /metrics`).
@@ -28,10 +30,12 @@ pub mod error;
 pub mod follower;
 pub mod http;
 pub mod index;
+pub mod matches;
 pub mod worker;
 
 pub use admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
 pub use discovery::{Discovery, DnsName};
 pub use error::{ClientError, StreamError};
 pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo, ResyncSlots};
+pub use matches::{MatchOptions, MatchRef, Matches};
 pub use worker::{Load, WorkerInfo, WorkerState};

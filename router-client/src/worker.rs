@@ -74,6 +74,35 @@ impl WorkerState {
     }
 }
 
+impl WorkerState {
+    /// The state of a worker now: its relay being resynced, the relay's stream open, the time
+    /// since the worker was last heard of (`None`: never) against the staleness bound, and the
+    /// relay's degraded and incomplete flags. The one rule both [`crate::Follower::workers`] and
+    /// [`crate::Follower::match_blocks`] report by.
+    pub fn of(
+        syncing: bool,
+        connected: bool,
+        last_seen_ago: Option<Duration>,
+        stale_after: Duration,
+        degraded: bool,
+        incomplete: bool,
+    ) -> WorkerState {
+        if syncing {
+            WorkerState::Syncing
+        } else if !connected {
+            WorkerState::RelayUnreachable
+        } else if last_seen_ago.is_none_or(|a| a > stale_after) {
+            WorkerState::Stale
+        } else if degraded {
+            WorkerState::Degraded
+        } else if incomplete {
+            WorkerState::Incomplete
+        } else {
+            WorkerState::Fresh
+        }
+    }
+}
+
 impl std::fmt::Display for WorkerState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(self.as_str())

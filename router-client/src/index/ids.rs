@@ -155,6 +155,11 @@ impl TierInterner {
         Ok(TierId((names.len() - 1) as u8))
     }
 
+    /// Every tier's name, by id (one lock for all).
+    pub fn names(&self) -> Vec<Arc<str>> {
+        self.names.lock().unwrap_or_else(PoisonError::into_inner).clone()
+    }
+
     /// The name of a tier id, if it exists.
     pub fn name(&self, id: TierId) -> Option<Arc<str>> {
         let names = self.names.lock().unwrap_or_else(PoisonError::into_inner);

@@ -91,9 +91,22 @@ impl LookupResult {
         })
     }
 
-    /// The match of one worker, if it holds the first block.
+    /// The match of one worker, if it holds the first block (a binary search).
     pub fn get(&self, worker: WorkerId) -> Option<WorkerMatch<'_>> {
-        self.iter().find(|m| m.worker == worker)
+        self.position(worker).map(|k| self.at(k))
+    }
+
+    /// Where `worker`'s match stands in [`LookupResult::iter`]'s order, if it holds the first
+    /// block (a binary search).
+    pub fn position(&self, worker: WorkerId) -> Option<usize> {
+        self.entries.binary_search_by_key(&worker, |e| e.worker).ok()
+    }
+
+    /// The `k`th match in [`LookupResult::iter`]'s order; panics when `k >= len()`.
+    pub fn at(&self, k: usize) -> WorkerMatch<'_> {
+        let e = self.entries[k];
+        let start = if k == 0 { 0 } else { self.entries[k - 1].runs_end as usize };
+        WorkerMatch { worker: e.worker, blocks: e.blocks, tiers: &self.runs[start..e.runs_end as usize] }
     }
 
     /// Leading blocks of `worker` in any tier (0 if absent).
@@ -173,6 +186,10 @@ mod tests {
         assert_eq!(format!("{r:?}"), "[w1 blocks=2 tiers=[(0, 2)]]");
         r.clone_from(&big);
         assert_eq!(r, big);
+        assert_eq!(r.position(WorkerId::new(2).unwrap()), Some(1));
+        assert_eq!(r.position(WorkerId::new(3).unwrap()), None);
+        assert_eq!(r.at(2), r.iter().nth(2).unwrap());
+        assert_eq!(r.at(1).tiers, &[TierRun { tier: TierId::new(1).unwrap(), blocks: 1 }]);
         assert_eq!(r.blocks(WorkerId::new(0).unwrap()), 5);
         assert_eq!(r.get(WorkerId::new(0).unwrap()).unwrap().tier(TierId::new(1).unwrap()), 3);
         assert_eq!(r.blocks(WorkerId::new(7).unwrap()), 4);

@@ -7,6 +7,7 @@ mod daemon;
 mod discovery;
 mod fixtures;
 mod fleet;
+mod matching;
 mod relay;
 mod scripted;
 mod storm;

@@ -3,7 +3,6 @@
 //! where the follower resumes from.
 
 use std::collections::VecDeque;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -13,10 +12,9 @@ use kv_relay_proto::pb::Tier::Device;
 use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::{FollowConfig, Follower, WorkerState};
 use tokio::sync::oneshot;
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
-use crate::util::{batch, serve_relay, stored};
+use crate::util::{batch, serve_relay, stored, BoxStream};
 
 const EPOCH: u64 = 4242;
 const T: Duration = Duration::from_secs(20);
@@ -28,8 +26,6 @@ struct Scripted {
     requests: Arc<Mutex<Vec<pb::SubscribeRequest>>>,
     scripts: Arc<Mutex<VecDeque<Script>>>,
 }
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl Relay for Scripted {

@@ -2,7 +2,6 @@
 //! `127.0.0.1:0` ports. The follower never has more than `max_concurrent_resyncs` snapshots in
 //! flight, the relays waiting show `syncing`, and `/match` leaves syncing workers out.
 
-use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,11 +12,10 @@ use kv_relay_proto::pb::Tier::Device;
 use kv_router_client::http::{self, answer_match, prometheus_text, MatchRequest};
 use kv_router_client::{FollowConfig, Follower, ResyncSlots, WorkerState};
 use tokio::sync::{mpsc, oneshot, Semaphore};
-use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
 use crate::relay::{http_call, until};
-use crate::util::{serve_relay, snap_begin, snap_chunk, snap_end};
+use crate::util::{serve_relay, snap_begin, snap_chunk, snap_end, BoxStream};
 
 const EPOCH: u64 = 77;
 const HASH: u64 = 4242;
@@ -42,8 +40,6 @@ impl Slow {
         }
     }
 }
-
-type BoxStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
 
 #[tonic::async_trait]
 impl Relay for Slow {

@@ -12,6 +12,10 @@ use tokio::time::Instant;
 
 pub const URL: &str = "http://relay-a:50051";
 
+/// The streams of a test relay's `Relay` implementation.
+#[allow(dead_code)]
+pub type BoxStream<T> = std::pin::Pin<Box<dyn tokio_stream::Stream<Item = Result<T, tonic::Status>> + Send + 'static>>;
+
 pub fn msg(m: M) -> pb::SubscribeResponse {
     pb::SubscribeResponse { message: Some(m) }
 }
