@@ -49,6 +49,8 @@ step "benchmarks, quick mode (debug build; figures here are not the documented o
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-relay --bench store --bench decode
 cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000
 cargo test --locked -p kv-router-client --bench index -- --blocks 20000 --lookups 2000 --placement uniform --capacity 10000 --half-rate
+# A router's resync from a relay's snapshot (decode, stage, swap; lookups checked): seconds.
+cargo test --locked -p kv-router-client --bench resync -- --blocks 20000 --runs 1
 # The relay end to end (mock engine, kv-relay process from the build step, subscribers): ~1 min.
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 # A router following a fleet (20 relays, a kv-router process, DNS, a snapshot storm): seconds.

@@ -646,6 +646,9 @@ const WINDOW: usize = 8;
 /// How many blocks ahead of the block it works on a writer asks for a block's lines (see
 /// [`Ahead`]). 4, 8, 12 and 16 gave the same rate in the 128-worker bench.
 const AHEAD: usize = 8;
+/// Blocks a replace writes under one taking of their holder's lock (a stripe: other holders'
+/// writers wait for it meanwhile).
+const HELD: usize = 1024;
 /// Most alive (candidate, tier) pairs a lookup follows through their runs; with more, it
 /// probes (one probe serves every holder of a block).
 const FOLLOW: usize = 8;
@@ -944,6 +947,25 @@ impl PrefixIndex {
         entry
     }
 
+    /// Makes room for new slots of `hashes` (a replace's staged blocks) in every shard before
+    /// they are written: a shard's table that they would fill is rebuilt once, for its live
+    /// slots and them (at least half as many again as it holds, as a table grows), instead of
+    /// growing by half again and again while they are written (a resync of a million blocks
+    /// into a new index rebuilt each of its 16 tables about 20 times).
+    fn reserve(&self, hashes: impl Iterator<Item = u64>) {
+        let mut extra = vec![0usize; self.shard_locks.len()];
+        for h in hashes {
+            extra[Probe::new(h).shard(self.shard_mask)] += 1;
+        }
+        for (s, &n) in extra.iter().enumerate() {
+            let mut table = self.shard_locks[s].0.lock();
+            if n > 0 && !table.has_room(n) {
+                let bigger = table.rebuilt(n.max(table.live() / 2));
+                self.publish(s, &mut table, bigger);
+            }
+        }
+    }
+
     /// Kills the entries matching `drop` in every shard, compacting shards left sparse.
     fn remove_where(&self, drop: impl Fn(u64) -> bool) {
         for (s, shard_lock) in self.shard_locks.iter().enumerate() {
@@ -1109,19 +1131,33 @@ impl PrefixIndex {
         // order, a block after its parent, so that the worker's blocks form runs as its
         // events would have (joined by links where they do not follow in a page).
         let entries = snapshot.entries();
+        self.reserve(entries.iter().filter(|&&(_, _, copies)| copies > 0).map(|&(_, h, _)| h));
+        let laid = snapshot.laid();
+        // Each entry's run entry, by its position in `laid`.
         let mut written = vec![table::NO_ENTRY; entries.len()];
-        for (i, parent) in snapshot.layout() {
-            let (tier, h, copies) = entries[i];
-            if copies > 0 {
-                let holder = table::holder(worker.get(), new_tag, tier.get());
-                let mut cursors = self.runs.lock(holder);
-                let entry = self.add(&Probe::new(h), holder, copies, cursors.entry(holder).or_insert(Cursor::NEW));
-                if let Some(p) = parent {
-                    self.runs.join(written[p], entry);
-                }
-                written[i] = entry;
+        // The lock of the holder being written, kept while its blocks follow one another, up
+        // to `HELD` blocks (it is a stripe, shared with other holders' writers).
+        let mut held: Option<(u64, MutexGuard<'_, runs::Cursors>)> = None;
+        let mut under_lock = 0;
+        for (k, (&(tier, copies, parent), p)) in laid.blocks.iter().zip(Ahead::new(self, &laid.hashes)).enumerate() {
+            if copies == 0 {
+                continue;
             }
+            let holder = table::holder(worker.get(), new_tag, tier.get());
+            if held.as_ref().is_none_or(|&(h, _)| h != holder) || under_lock == HELD {
+                drop(held.take());
+                held = Some((holder, self.runs.lock(holder)));
+                under_lock = 0;
+            }
+            under_lock += 1;
+            let (_, cursors) = held.as_mut().expect("the holder's lock was just taken");
+            let entry = self.add(&p, holder, copies, cursors.entry(holder).or_insert(Cursor::NEW));
+            if parent != snapshot::NONE {
+                self.runs.join(written[parent as usize], entry);
+            }
+            written[k] = entry;
         }
+        drop(held);
         // 2. Flip. Lookups that read `swap_seq` before this store keep the old tag.
         let seq = self.swap_seq.load(Ordering::SeqCst) + 1;
         self.gens.store(worker, (seq << 1) | new_tag);
@@ -1745,6 +1781,50 @@ mod tests {
         index.store_after(w, TierId::DEVICE, Some(99), &[7]);
         assert_eq!(index.runs.link_of(entry(6)), None);
         assert_eq!(index.lookup(&[1, 2, 3, 4, 5]).get(w).map(|m| m.blocks), Some(5));
+    }
+
+    /// A replace writes the staged chains in order whatever the staging order: each block
+    /// right after its parent, a fork's other children after the first's chain (linked from
+    /// their parent's entry), duplicates into the first's slot, nothing for blocks without
+    /// copies, and a cycle's entries last.
+    #[test]
+    fn a_replace_writes_each_staged_chain_in_order_and_links_forks() {
+        let index = PrefixIndex::default();
+        let w = index.worker("http://relay:50051", 0).expect("worker");
+        // Old state, under the other tag: the replace writes the new one from entry 0 of pages
+        // of its own.
+        index.store(w, TierId::DEVICE, &[1, 2, 3, 50]);
+        let d = TierId::DEVICE;
+        let mut s = StagedSnapshot::new();
+        s.push_after(d, 3, 1, Some(2)); // after 2
+        s.push(d, 1, 1); // a first block
+        s.push_after(d, 2, 1, Some(1)); // after 1
+        s.push_after(d, 4, 1, Some(1)); // after 1 too: a fork
+        s.push_after(d, 9, 1, Some(8)); // parent not staged: a first block
+        s.push_after(d, 6, 1, Some(7)); // a cycle, 6 <-> 7
+        s.push_after(d, 7, 1, Some(6));
+        s.push_after(d, 2, 2, Some(1)); // 2 again
+        s.push_after(d, 11, 0, Some(9)); // no copies: not written
+        s.push_after(d, 12, 1, Some(11)); // after the block not written
+        index.replace_worker(w, &s);
+        let holder = table::holder(w.get(), index.gens.load(w) & 1, d.get());
+        let entry = |hash: u64| {
+            let p = Probe::new(hash);
+            index.tables.load()[p.shard(index.shard_mask)].entry(&p, holder)
+        };
+        let base = entry(1).expect("held");
+        assert_eq!(base % PAGE, 0, "a page of the new state's own");
+        let entries: Vec<Option<u32>> =
+            [1, 2, 3, 4, 9, 12, 6, 7, 11, 50].into_iter().map(|h| entry(h).map(|e| e - base)).collect();
+        assert_eq!(entries, vec![Some(0), Some(1), Some(2), Some(3), Some(4), Some(5), Some(6), Some(7), None, None]);
+        // The fork's second child is linked from the parent; the rest follow in their page.
+        let links: Vec<Option<u32>> = (base..base + 8).map(|e| index.runs.link_of(e)).collect();
+        assert_eq!(links, vec![Some(base + 3), None, None, None, None, None, None, None]);
+        let blocks = |hashes: &[u64]| index.lookup(hashes).get(w).map(|m| m.blocks);
+        assert_eq!(
+            [blocks(&[1, 2, 3]), blocks(&[1, 4]), blocks(&[9, 11, 12]), blocks(&[6, 7]), blocks(&[50])],
+            [Some(3), Some(2), Some(1), Some(2), None]
+        );
     }
 
     /// An index and its reference, written together; `look` checks a lookup against the

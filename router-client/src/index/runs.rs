@@ -181,8 +181,8 @@ impl Cursor {
 pub(super) type Cursors = HashMap<u64, Cursor, BuildHasherDefault<WordHasher>>;
 
 /// Hashes a word with one multiply, for the index's small maps on hot paths whose keys are few
-/// or not chosen by an adversary: the holder cursors (on every store's and removal's path),
-/// a snapshot's staging, and a lookup thread's kept candidates (at most `MEMO_KEYS` keys).
+/// or not chosen by an adversary: the holder cursors (on every store's and removal's path)
+/// and a lookup thread's kept candidates (at most `MEMO_KEYS` keys).
 #[derive(Default)]
 pub(super) struct WordHasher(u64);
 

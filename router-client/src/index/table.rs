@@ -513,6 +513,12 @@ impl Table {
         self.capacity() - self.capacity() / 8
     }
 
+    /// True if `extra` new slots fit before the table is full (live and dead slots past 7/8),
+    /// none of them taking a dead slot's place.
+    pub fn has_room(&self, extra: usize) -> bool {
+        self.live() + self.tombs() + extra <= self.max_used()
+    }
+
     /// Asks for the cache lines a probe for `p` will read first: its home group's control
     /// word and its slots (112 bytes, over two or three lines: slots 0, 4 and 6 are on each
     /// of them), so that callers can ask for several probes' lines before using any: their

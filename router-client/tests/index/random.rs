@@ -238,3 +238,65 @@ proptest! {
         }
     }
 }
+
+/// A snapshot of thousands of blocks, as a relay sends one: chains of several tiers (forks off
+/// their middles, blocks staged twice or without copies, parents not staged), some longer than
+/// a replace writes under one taking of a lock, shuffled; replaced again over itself and beside
+/// another worker's, its lookups equal the reference's.
+#[test]
+fn large_shuffled_snapshots_with_parents_match_reference() {
+    let mut rng = StdRng::seed_from_u64(28);
+    let mut p = Pair::new(IndexConfig { shards: 4, initial_capacity: 0 });
+    let mut requests: Vec<Vec<u64>> = Vec::new();
+    for round in 0..3u64 {
+        let mut staged: Vec<(TierId, u64, u32, Option<u64>)> = Vec::new();
+        for c in 0..40u64 {
+            let tier = t([0, 1, 63][(c % 3) as usize]);
+            // A fork: the chain starts after a block of an earlier chain of the same tier.
+            let mut parent = (c >= 3 && c % 4 == 0).then(|| requests[(c - 3) as usize][60]);
+            let chain: Vec<u64> = (0..rng.random_range(if c % 10 == 0 { 1500..2500 } else { 100..300 }))
+                .map(|_| rng.random::<u64>() >> 1)
+                .collect();
+            let start = staged.len();
+            for &h in &chain {
+                let copies = match rng.random_range(0..50) {
+                    0 => 0,
+                    1 => 3,
+                    _ => 1,
+                };
+                staged.push((tier, h, copies, parent));
+                if rng.random_range(0..40) == 0 {
+                    staged.push((tier, h, 1, parent));
+                }
+                parent = Some(h);
+            }
+            if c == 7 {
+                // A chain whose first block's parent is not staged.
+                staged[start].3 = Some(u64::MAX - 1);
+            }
+            let mut request: Vec<u64> = match (c >= 3 && c % 4 == 0).then(|| &requests[(c - 3) as usize]) {
+                Some(from) => from[..=60].to_vec(),
+                None => Vec::new(),
+            };
+            request.extend(&chain);
+            requests.push(request);
+        }
+        for i in (1..staged.len()).rev() {
+            staged.swap(i, rng.random_range(0..=i));
+        }
+        let mut snap = StagedSnapshot::new();
+        for &(tier, h, copies, parent) in &staged {
+            snap.push_after(tier, h, copies, parent);
+        }
+        // Worker 1 first, then worker 0 over it (its state of the round before, if any).
+        p.replace(w(1 + round as u32 % 2), &snap);
+        p.replace(w(0), &snap);
+        for r in &requests {
+            p.lookup(r);
+            p.lookup(&r[r.len() / 2..]);
+        }
+        p.check_counts();
+        p.check_blocks(&[w(0), w(1), w(2)]);
+        requests.clear();
+    }
+}
