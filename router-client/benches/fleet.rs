@@ -30,7 +30,8 @@
 //! ```
 //! Options: `--relays N` (1,000), `--blocks N` live blocks a relay (10,000), `--rate R` records
 //! a second a relay (50), `--ops N` block operations a record (40: half stores, half removals of
-//! the oldest), `--load-s S` (20), `--match-rate R` (200), `--routers N` (64), `--storm-blocks N`
+//! the oldest), `--load-s S` (20), `--match-rate R` (200), `--match-limit K` (each `/match` asks for the `K` best workers;
+//! default: every worker), `--routers N` (64), `--storm-blocks N`
 //! (100,000), `--only router,dns,storm`, `--router-malloc default` (glibc's own settings instead
 //! of the relay's shipped `MALLOC_ARENA_MAX` and `GLIBC_TUNABLES`). A thousand relays need about 4,000 file descriptors
 //! (`ulimit -n`).
@@ -65,6 +66,8 @@ struct Opts {
     ops: usize,
     load: Duration,
     match_rate: f64,
+    /// `"limit"` in each `/match` body (`--match-limit K`); none: every worker listed.
+    match_limit: Option<u64>,
     routers: usize,
     storm_blocks: usize,
     relays_file: Option<PathBuf>,
@@ -90,6 +93,7 @@ impl Opts {
             ops: num("--ops", 40.0, 40.0) as usize,
             load: Duration::from_secs_f64(num("--load-s", 20.0, 2.0)),
             match_rate: num("--match-rate", 200.0, 50.0),
+            match_limit: get("--match-limit").map(|k| k.parse().expect("--match-limit: a whole number")),
             routers: num("--routers", 64.0, 8.0) as usize,
             storm_blocks: num("--storm-blocks", 100_000.0, 2_000.0) as usize,
             relays_file: get("--relays-file").map(PathBuf::from),
@@ -422,7 +426,7 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
     let matcher = {
         let (stop, go, latencies, windows, addr) =
             (stop.clone(), go.clone(), latencies.clone(), windows.clone(), router.addr);
-        let rate = opts.match_rate;
+        let (rate, limit) = (opts.match_rate, opts.match_limit);
         std::thread::spawn(move || {
             let mut http = Http::new(addr);
             while !go.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
@@ -442,7 +446,11 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
                     (relay as u64, w[relay])
                 };
                 let hashes: Vec<u64> = (first..first + 512).map(|b| relay << 32 | b).collect();
-                let body = serde_json::to_vec(&serde_json::json!({ "block_hashes": hashes })).expect("json");
+                let mut body = serde_json::json!({ "block_hashes": hashes });
+                if let Some(k) = limit {
+                    body["limit"] = k.into();
+                }
+                let body = serde_json::to_vec(&body).expect("json");
                 let t = Instant::now();
                 let resp = http.call("POST", "/match", &body).expect("/match");
                 let took = t.elapsed().as_secs_f64() * 1e3;
@@ -534,8 +542,9 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
         pct(&lat, 1.0)
     );
     rows.push(format!(
-        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive) | {:.3} / {:.3} / {:.3} ms | p99 at most 1 ms | {load_c} |",
+        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive{}) | {:.3} / {:.3} / {:.3} ms | p99 at most 1 ms | {load_c} |",
         lat.len(),
+        opts.match_limit.map_or(String::new(), |k| format!(", \"limit\": {k}")),
         pct(&lat, 0.5),
         pct(&lat, 0.99),
         pct(&lat, 1.0)
