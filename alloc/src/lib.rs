@@ -80,8 +80,9 @@ pub fn options() -> Vec<(String, c_long)> {
 }
 
 /// Whether mimalloc runs with this crate's options (or the environment's for them), set before
-/// its first arena. Where the constructor does not run (not Linux) it sets them now and says
-/// `false`: too late for the first arena. Call it first thing in `main`.
+/// its first arena. On Linux it only reads them back, so where in `main` it is called does not
+/// matter. Where the constructor does not run (not Linux) it sets them now and says `false`:
+/// too late for the first arena, so call it as early in `main` as possible there.
 #[allow(unsafe_code)]
 pub fn tuned() -> bool {
     if !cfg!(target_os = "linux") {
