@@ -24,6 +24,9 @@
 //! Environment: `KV_RELAY_BIN` (the relay binary; default `target/release/kv-relay`, or
 //! `target/debug/kv-relay` in quick mode), `KV_RELAY_BENCH_DIR` (where state directories go),
 //! `KV_RELAY_BENCH_RUNS` (repetitions of each latency window and resync, default 3),
+//! `KV_RELAY_BENCH_WINDOW_MS` (one latency window, default 5,000; longer to profile the relay),
+//! `KV_RELAY_BENCH_RATES` (the latency windows' batches/s, comma-separated, instead of issue 28's
+//! and the searched ones),
 //! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace; default
 //! `testdata/mooncake/conversation_trace.jsonl`),
 //! `KV_RELAY_BENCH_ONLY` (comma list of parts: `ingest` the Mooncake ingest search; `publisher`
@@ -68,6 +71,8 @@ struct Opts {
     /// Batches per second offered in the latency measurement.
     latency_rate: f64,
     latency_window: Duration,
+    /// The latency windows' rates instead of issue 28's and the searched ones (no search).
+    rates: Option<Vec<f64>>,
     dir: PathBuf,
     trace: PathBuf,
     only: Vec<String>,
@@ -90,7 +95,10 @@ impl Opts {
             // A margin above the catch-up: a subscriber leaves a few records before the burst.
             history_batches: if quick { 300 } else { 10_050 },
             latency_rate: if quick { 200.0 } else { 10_000.0 },
-            latency_window: if quick { Duration::from_millis(800) } else { Duration::from_secs(5) },
+            latency_window: Duration::from_millis(env_u("KV_RELAY_BENCH_WINDOW_MS", if quick { 800 } else { 5000 })),
+            rates: std::env::var("KV_RELAY_BENCH_RATES")
+                .ok()
+                .map(|s| s.split(',').map(|r| r.trim().parse().expect("KV_RELAY_BENCH_RATES: batches/s, comma-separated")).collect()),
             dir: std::env::var("KV_RELAY_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| std::env::temp_dir()),
             trace,
             only: std::env::var("KV_RELAY_BENCH_ONLY")
@@ -1376,7 +1384,10 @@ fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &m
         // rate and the sustainable rate and half of it.
         let mut rates =
             if opts.quick { vec![250.0, opts.latency_rate] } else { vec![250.0, 750.0, 1000.0, opts.latency_rate] };
-        let sustainable = if opts.quick {
+        if let Some(r) = &opts.rates {
+            rates.clone_from(r);
+        }
+        let sustainable = if opts.quick || opts.rates.is_some() {
             None
         } else {
             search(opts, &s, &pubr, std::slice::from_ref(&sub), &Ramp::mooncake(opts))

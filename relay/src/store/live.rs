@@ -11,11 +11,15 @@
 //! # Layout, in bytes per block
 //! A table per (rank, tier, group), split into [`SHARDS`] hash maps by the hash's top bits (so a
 //! shard is a range of hashes: a snapshot copies one shard at a time and sorts it, and its
-//! output is in hash order). A map entry is the 64-bit hash and a 32-byte [`Entry`]; token ids
-//! live beside the maps in slabs of fixed-length slots, one slab per token count (a table's
-//! blocks nearly all have one length), so a block of 16 tokens costs 64 bytes of slab and no
-//! allocation of its own. Namespaces are interned per table (an id in the entry, freed when its
-//! last block goes). About 130 bytes per block of 16 tokens, map load included.
+//! output is in hash order). A map holds only where each block's record is (the 64-bit hash and
+//! an 8-byte [`Loc`]: a 16-byte bucket), because a map's buckets are at most 7/8 full and, when
+//! every shard has grown past a power of two at once, just under half. The records are dense:
+//! in slabs of fixed-length slots, one slab per token count (a table's blocks nearly all have
+//! one length), a 24-byte header (parent, copies, block size, namespace, flags) then the token
+//! ids, so a block of 16 tokens has an 88-byte record and no allocation of its own. Namespaces
+//! are interned per table (an id in the header, freed when its last block goes). About 120
+//! bytes per block of 16 tokens at a million blocks, map load included (150 with the attributes
+//! in the buckets).
 //!
 //! # Snapshots beside commits
 //! A snapshot ([`Journal`]) is the state at one cursor, copied shard by shard under this set's
@@ -67,26 +71,73 @@ impl Hasher for MixHasher {
     }
 }
 
-type Map = HashMap<u64, Entry, BuildHasherDefault<MixHasher>>;
+type Map = HashMap<u64, Loc, BuildHasherDefault<MixHasher>>;
 
-const F_PARENT: u8 = 1;
-const F_BIGRAM: u8 = 2;
+const F_PARENT: u32 = 1;
+const F_BIGRAM: u32 = 2;
 
-/// One live block (32 bytes; its hash is the map's key).
+/// Where a block's record is: its slab (an index in [`Table::slabs`], stable for the table's
+/// life) in the high 32 bits, its slot in the low 32. Eight bytes, so a map bucket is 16.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Loc(u64);
+
+impl Loc {
+    fn new(slab: usize, slot: u32) -> Loc {
+        Loc(((slab as u64) << 32) | u64::from(slot))
+    }
+
+    fn slab(self) -> usize {
+        (self.0 >> 32) as usize
+    }
+
+    fn slot(self) -> u32 {
+        self.0 as u32
+    }
+}
+
+/// A record's header, in u32 words: the parent (low, high), copies, block size, namespace id,
+/// flags; its token ids follow.
+const HEAD: usize = 6;
+const COPIES: usize = 2;
+const NS: usize = 4;
+
+/// One live block's attributes, as its record's header holds them (its hash is the map's key,
+/// its token ids follow the header).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Entry {
     parent: u64,
-    /// The slot of its token ids in the slab of `ntok`-long slots (unused when `ntok` is 0).
-    slot: u32,
-    ntok: u32,
     copies: u32,
     block_size: u32,
     /// Interned namespace ([`Namespaces`]).
     ns: u32,
-    flags: u8,
+    flags: u32,
 }
 
-/// Token ids of one length, in fixed slots on pages of about 64K ids.
+impl Entry {
+    fn read(r: &[u32]) -> Entry {
+        Entry {
+            parent: u64::from(r[0]) | (u64::from(r[1]) << 32),
+            copies: r[COPIES],
+            block_size: r[3],
+            ns: r[NS],
+            flags: r[5],
+        }
+    }
+
+    fn write(&self, r: &mut [u32]) {
+        r[..HEAD].copy_from_slice(&[
+            self.parent as u32,
+            (self.parent >> 32) as u32,
+            self.copies,
+            self.block_size,
+            self.ns,
+            self.flags,
+        ]);
+    }
+}
+
+/// Records of blocks with `len` token ids each (a header of [`HEAD`] words, then the ids), in
+/// fixed slots on pages of about 64K words.
 #[derive(Debug, Clone)]
 struct Slab {
     len: usize,
@@ -100,34 +151,35 @@ impl Slab {
         Slab { len, pages: Vec::new(), free: Vec::new(), used: 0 }
     }
 
+    fn stride(&self) -> usize {
+        HEAD + self.len
+    }
+
     fn per_page(&self) -> usize {
-        (65_536 / self.len).max(1)
+        (65_536 / self.stride()).max(1)
     }
 
-    fn at(&self, slot: u32) -> &[u32] {
-        let (p, i) = (slot as usize / self.per_page(), slot as usize % self.per_page());
-        &self.pages[p][i * self.len..(i + 1) * self.len]
+    fn record(&self, slot: u32) -> &[u32] {
+        let (p, i, n) = (slot as usize / self.per_page(), slot as usize % self.per_page(), self.stride());
+        &self.pages[p][i * n..(i + 1) * n]
     }
 
-    fn put(&mut self, slot: u32, ids: &[u32]) {
-        let (p, i, len) = (slot as usize / self.per_page(), slot as usize % self.per_page(), self.len);
-        self.pages[p][i * len..(i + 1) * len].copy_from_slice(ids);
+    fn record_mut(&mut self, slot: u32) -> &mut [u32] {
+        let (p, i, n) = (slot as usize / self.per_page(), slot as usize % self.per_page(), self.stride());
+        &mut self.pages[p][i * n..(i + 1) * n]
     }
 
-    fn alloc(&mut self, ids: &[u32]) -> u32 {
-        let slot = match self.free.pop() {
-            Some(s) => s,
-            None => {
-                let s = self.used;
-                self.used += 1;
-                if s as usize / self.per_page() == self.pages.len() {
-                    self.pages.push(vec![0u32; self.per_page() * self.len].into_boxed_slice());
-                }
-                s
-            }
-        };
-        self.put(slot, ids);
-        slot
+    /// A free slot (its record is written by the caller).
+    fn alloc(&mut self) -> u32 {
+        if let Some(s) = self.free.pop() {
+            return s;
+        }
+        let s = self.used;
+        self.used += 1;
+        if s as usize / self.per_page() == self.pages.len() {
+            self.pages.push(vec![0u32; self.per_page() * self.stride()].into_boxed_slice());
+        }
+        s
     }
 }
 
@@ -209,49 +261,25 @@ impl Default for Table {
 }
 
 impl Table {
-    fn slab(&mut self, len: usize) -> &mut Slab {
+    /// The index of the slab of `len`-token records, made if new.
+    fn slab(&mut self, len: usize) -> usize {
         match self.slabs.iter().position(|s| s.len == len) {
-            Some(i) => &mut self.slabs[i],
+            Some(i) => i,
             None => {
                 self.slabs.push(Slab::new(len));
-                self.slabs.last_mut().expect("just pushed")
+                self.slabs.len() - 1
             }
         }
     }
 
-    fn tokens(&self, e: &Entry) -> &[u32] {
-        if e.ntok == 0 {
-            return &[];
-        }
-        let s = self.slabs.iter().find(|s| s.len == e.ntok as usize).expect("a slab for every length held");
-        s.at(e.slot)
-    }
-
-    fn free_tokens(&mut self, e: &Entry) {
-        if e.ntok != 0 {
-            let slot = e.slot;
-            self.slab(e.ntok as usize).free.push(slot);
-        }
-    }
-
-    /// Sets `e`'s token ids, reusing its slot when the length is the same.
-    fn set_tokens(&mut self, e: &mut Entry, ids: &[u32], had: bool) {
-        if had && e.ntok as usize == ids.len() {
-            if !ids.is_empty() {
-                let slot = e.slot;
-                self.slab(ids.len()).put(slot, ids);
-            }
-            return;
-        }
-        if had {
-            self.free_tokens(e);
-        }
-        e.ntok = ids.len() as u32;
-        e.slot = if ids.is_empty() { 0 } else { self.slab(ids.len()).alloc(ids) };
+    fn record(&self, loc: Loc) -> &[u32] {
+        self.slabs[loc.slab()].record(loc.slot())
     }
 
     /// The block `hash` as a snapshot lists it.
-    fn block(&self, key: &TableKey, hash: u64, e: &Entry, tokens: bool) -> SnapshotBlock {
+    fn block(&self, key: &TableKey, hash: u64, loc: Loc, tokens: bool) -> SnapshotBlock {
+        let r = self.record(loc);
+        let e = Entry::read(r);
         SnapshotBlock {
             dp_rank: key.dp_rank,
             tier: key.tier.clone(),
@@ -261,13 +289,13 @@ impl Table {
             block_size: e.block_size,
             namespace: self.ns.get(e.ns).clone(),
             copies: e.copies,
-            token_ids: if tokens { self.tokens(e).to_vec() } else { Vec::new() },
+            token_ids: if tokens { r[HEAD..].to_vec() } else { Vec::new() },
             token_layout: if e.flags & F_BIGRAM != 0 { TokenLayout::Bigram } else { TokenLayout::Single },
         }
     }
 
-    /// Adds one copy of `hash` with these attributes (a held block takes them as its latest
-    /// store's); returns whether it was held already.
+    /// Adds `copies` copies of `hash` with these attributes (a held block takes them as its
+    /// latest store's); returns whether it was held already.
     #[allow(clippy::too_many_arguments)]
     fn store(
         &mut self,
@@ -279,49 +307,72 @@ impl Table {
         ids: &[u32],
         copies: u32,
     ) -> bool {
-        let flags = u8::from(parent.is_some()) * F_PARENT + u8::from(layout == TokenLayout::Bigram) * F_BIGRAM;
-        let old = self.shards[shard_of(hash)].get(&hash).copied();
-        let mut e = old.unwrap_or(Entry { parent: 0, slot: 0, ntok: 0, copies: 0, block_size, ns, flags });
-        e.parent = parent.unwrap_or(0);
-        e.block_size = block_size;
-        e.flags = flags;
-        e.copies = e.copies.saturating_add(copies);
-        if old.is_some() && e.ns != ns {
-            self.ns.add(e.ns, -1);
-            self.ns.gc(e.ns);
-            self.ns.add(ns, 1);
-        } else if old.is_none() {
-            self.ns.add(ns, 1);
-            self.blocks += 1;
-        }
-        e.ns = ns;
-        self.set_tokens(&mut e, ids, old.is_some());
+        let flags = u32::from(parent.is_some()) * F_PARENT + u32::from(layout == TokenLayout::Bigram) * F_BIGRAM;
+        let mut e = Entry { parent: parent.unwrap_or(0), copies, block_size, ns, flags };
+        let shard = shard_of(hash);
+        let old = self.shards[shard].get(&hash).copied();
+        let loc = match old {
+            Some(loc) => {
+                let was = Entry::read(self.record(loc));
+                e.copies = was.copies.saturating_add(copies);
+                if was.ns != ns {
+                    self.ns.add(was.ns, -1);
+                    self.ns.gc(was.ns);
+                    self.ns.add(ns, 1);
+                }
+                if self.slabs[loc.slab()].len == ids.len() {
+                    loc
+                } else {
+                    // Another length: its record moves to that length's slab.
+                    self.slabs[loc.slab()].free.push(loc.slot());
+                    let i = self.slab(ids.len());
+                    let moved = Loc::new(i, self.slabs[i].alloc());
+                    self.shards[shard].insert(hash, moved);
+                    moved
+                }
+            }
+            None => {
+                self.ns.add(ns, 1);
+                self.blocks += 1;
+                let i = self.slab(ids.len());
+                let loc = Loc::new(i, self.slabs[i].alloc());
+                self.shards[shard].insert(hash, loc);
+                loc
+            }
+        };
+        let r = self.slabs[loc.slab()].record_mut(loc.slot());
+        e.write(r);
+        r[HEAD..].copy_from_slice(ids);
         self.copies += u64::from(copies);
-        self.shards[shard_of(hash)].insert(hash, e);
         old.is_some()
     }
 
     /// Takes one copy of `hash`; false when it had none.
     fn remove(&mut self, hash: u64) -> bool {
-        let shard = &mut self.shards[shard_of(hash)];
-        let Some(e) = shard.get_mut(&hash) else { return false };
+        let shard = shard_of(hash);
+        let Some(&loc) = self.shards[shard].get(&hash) else { return false };
         self.copies -= 1;
-        if e.copies > 1 {
-            e.copies -= 1;
+        let slab = &mut self.slabs[loc.slab()];
+        let r = slab.record_mut(loc.slot());
+        if r[COPIES] > 1 {
+            r[COPIES] -= 1;
             return true;
         }
-        let e = shard.remove(&hash).expect("present");
+        let ns = r[NS];
+        slab.free.push(loc.slot());
+        self.shards[shard].remove(&hash);
         self.blocks -= 1;
-        self.ns.add(e.ns, -1);
-        self.ns.gc(e.ns);
-        self.free_tokens(&e);
+        self.ns.add(ns, -1);
+        self.ns.gc(ns);
         true
     }
 
     /// Approximate heap bytes: the maps' buckets, the slabs' pages, the namespaces.
     fn heap_bytes(&self) -> u64 {
-        let maps: usize = self.shards.iter().map(|m| m.capacity() * (std::mem::size_of::<(u64, Entry)>() + 1)).sum();
-        let slabs: usize = self.slabs.iter().map(|s| s.pages.len() * s.per_page() * s.len * 4).sum();
+        // hashbrown holds 7 items per 8 buckets, plus a control byte per bucket.
+        let bucket = std::mem::size_of::<(u64, Loc)>() + 1;
+        let maps: usize = self.shards.iter().map(|m| m.capacity().div_ceil(7) * 8 * bucket).sum();
+        let slabs: usize = self.slabs.iter().map(|s| s.pages.len() * s.per_page() * s.stride() * 4).sum();
         (maps + slabs + self.ns.list.len() * std::mem::size_of::<(Namespace, u64)>()) as u64
     }
 }
@@ -355,7 +406,7 @@ impl Journal {
             return;
         }
         if let std::collections::btree_map::Entry::Vacant(v) = self.pre.entry((i, s, hash)) {
-            v.insert(table.and_then(|t| t.shards[s].get(&hash).map(|e| Box::new(t.block(key, hash, e, self.tokens)))));
+            v.insert(table.and_then(|t| t.shards[s].get(&hash).map(|&l| Box::new(t.block(key, hash, l, self.tokens)))));
         }
     }
 
@@ -375,7 +426,7 @@ impl Journal {
         if let Some(t) = self.stash.get(&i).or_else(|| set.get(key)) {
             read += t.shards[s].len();
             // Sorted as (hash, entry) pairs, then built in order: cheaper than sorting blocks.
-            let mut now: Vec<(u64, &Entry)> = t.shards[s].iter().map(|(h, e)| (*h, e)).collect();
+            let mut now: Vec<(u64, Loc)> = t.shards[s].iter().map(|(h, l)| (*h, *l)).collect();
             now.sort_unstable_by_key(|(h, _)| *h);
             out.reserve(now.len());
             for (h, e) in now {
