@@ -11,7 +11,8 @@
 //!   `fresh`), the router's RSS and index bytes, then a stream of records for `--load-s`
 //!   seconds: the rate the fleet achieved, the router's CPU (per thread name), each relay's lag
 //!   (the store's newest cursor minus the router's), `/match` latency for 512-block requests
-//!   (keep-alive HTTP, one request at a time at `--match-rate` a second); then, under the same
+//!   (keep-alive HTTP, one request at a time at `--match-rate` a second, from a thread at the
+//!   router's niceness, 0, as a caller on its own host); then, under the same
 //!   stream, a relay restarts with a new epoch: the time until the router holds the new epoch at
 //!   the new store's cursor, and whether any other worker left `fresh` meanwhile.
 //! - `dns`: discovery through the resolver seam (the code `--relays-dns` runs, in this process):
@@ -225,6 +226,24 @@ struct Router {
     _out: BufReader<std::process::ChildStdout>,
 }
 
+/// Sets this thread's niceness (`renice` on its thread id: Linux keeps a niceness per thread);
+/// says so when it cannot (lowering it needs CAP_SYS_NICE).
+fn renice_this_thread(nice: i32) {
+    let tid = std::fs::read_link("/proc/thread-self")
+        .ok()
+        .and_then(|p| p.file_name()?.to_str()?.parse::<u32>().ok());
+    let done = tid.is_some_and(|tid| {
+        Command::new("renice")
+            .args(["--priority", &nice.to_string(), "-p", &tid.to_string()])
+            .stdout(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    });
+    if !done {
+        eprintln!("could not set the /match caller's niceness to {nice}: its figures include its waits behind the fleet");
+    }
+}
+
 impl Router {
     /// kv-router on `relays_file`, at niceness 0 whatever this process's (run the bench under
     /// `nice` to give the fleet only what the router leaves), with the relay's shipped malloc
@@ -428,6 +447,9 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
             (stop.clone(), go.clone(), latencies.clone(), windows.clone(), router.addr);
         let (rate, limit) = (opts.match_rate, opts.match_limit);
         std::thread::spawn(move || {
+            // The caller runs at the router's niceness, as a router's caller on its own host
+            // would; at the fleet's, its own wait behind the fleet's threads was in the figures.
+            renice_this_thread(0);
             let mut http = Http::new(addr);
             while !go.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(10));

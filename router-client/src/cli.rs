@@ -40,6 +40,16 @@ pub struct Args {
     /// Where the HTTP API listens.
     #[arg(long, default_value = "127.0.0.1:8090")]
     pub listen: SocketAddr,
+    /// Threads serving the HTTP API, apart from the relays' streams (so that a `/match` never
+    /// waits behind them). One answers thousands of `/match` a second; more serve concurrent
+    /// callers with large answers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub http_threads: u64,
+    /// The relays' streams run this much nicer than the HTTP API (Linux thread niceness), so
+    /// that a `/match` on a busy host takes a core before the streams' work; 0 runs them alike.
+    /// Lag stays bounded by the relays' history: a stream that falls behind resumes.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub stream_niceness: u8,
     /// A worker silent for longer than this (milliseconds) is reported stale.
     #[arg(long, default_value_t = 2000)]
     pub stale_after_ms: u64,

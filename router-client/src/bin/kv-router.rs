@@ -1,5 +1,12 @@
 //! `kv-router`: the example router. Follows a set of kv-relays, holds the prefix index, and
 //! answers match queries over HTTP (`POST /match`, `GET /workers`, `GET /metrics`).
+//!
+//! Two runtimes. The relays' streams (one task each, a thousand in a fleet) and discovery run
+//! on the main multi-threaded runtime; the HTTP API runs on a runtime of its own, on its own
+//! threads (`--http-threads`). A `/match` then never waits in a run queue behind the streams'
+//! tasks: it reads the index and the workers' views without locks, so it only needs a core. The
+//! streams' threads run nicer (`--stream-niceness`, 5 by default), so that it gets one first on
+//! a host whose cores the streams keep busy.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -21,6 +28,8 @@ struct Config {
     interval: Duration,
     grace: Duration,
     listen: SocketAddr,
+    http_threads: usize,
+    stream_niceness: u8,
     follow: FollowConfig,
 }
 
@@ -58,6 +67,8 @@ fn config(args: Args) -> anyhow::Result<Config> {
         interval: Duration::from_millis(args.dns_interval_ms),
         grace: Duration::from_millis(args.dns_grace_ms),
         listen: args.listen,
+        http_threads: args.http_threads as usize,
+        stream_niceness: args.stream_niceness,
         follow,
     })
 }
@@ -78,11 +89,13 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // The first poll before listening: fixed relays, the file and the names' first answers.
     discovery.poll(tokio::time::Instant::now()).await;
     let following = discovery.followed().count();
-    let listener =
-        tokio::net::TcpListener::bind(cfg.listen).await.with_context(|| format!("binding {}", cfg.listen))?;
+    let listener = std::net::TcpListener::bind(cfg.listen).with_context(|| format!("binding {}", cfg.listen))?;
+    listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let mut http = serve_http(listener, follower.clone(), cfg.http_threads, stopped)?;
     println!("kv-router listening on http://{addr} following {following} relay(s)");
-    tracing::info!(%addr, relays = following, "listening");
+    tracing::info!(%addr, relays = following, http_threads = cfg.http_threads, "listening");
     let rediscover = changing.then(|| {
         let interval = cfg.interval;
         tokio::spawn(async move {
@@ -90,15 +103,70 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
             discovery.run(interval, std::future::pending()).await;
         })
     });
-    let shutdown = async {
-        let _ = tokio::signal::ctrl_c().await;
+    let served = tokio::select! {
+        _ = tokio::signal::ctrl_c() => {
+            let _ = stop.send(());
+            (&mut http).await
+        }
+        r = &mut http => r,
     };
-    http::serve(listener, follower.clone(), shutdown).await.context("http server")?;
     if let Some(task) = rediscover {
         task.abort();
     }
     follower.shutdown().await;
-    Ok(())
+    match served {
+        Ok(r) => r.context("http server"),
+        Err(_) => bail!("http server: its thread ended without a result"),
+    }
+}
+
+/// Serves the HTTP API on `threads` threads of a runtime of its own (see the module docs) until
+/// `stop` fires; the receiver gets the server's result when it ends.
+fn serve_http(
+    listener: std::net::TcpListener,
+    follower: Follower,
+    threads: usize,
+    stop: tokio::sync::oneshot::Receiver<()>,
+) -> anyhow::Result<tokio::sync::oneshot::Receiver<std::io::Result<()>>> {
+    let rt = match threads {
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .thread_name("kv-router-http")
+            .enable_all()
+            .build(),
+    }
+    .context("starting the HTTP runtime")?;
+    let (done, result) = tokio::sync::oneshot::channel();
+    std::thread::Builder::new()
+        .name("kv-router-http".into())
+        .spawn(move || {
+            let r = rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener)?;
+                http::serve(listener, follower, async move {
+                    let _ = stop.await;
+                })
+                .await
+            });
+            let _ = done.send(r);
+        })
+        .context("starting the HTTP thread")?;
+    Ok(result)
+}
+
+/// Adds `by` to this thread's niceness (Linux keeps one per thread). A failure is logged once:
+/// the streams then run at the HTTP thread's priority, as with `--stream-niceness 0`.
+fn renice_this_thread(by: u8) {
+    if by == 0 {
+        return;
+    }
+    let tid = rustix::thread::gettid();
+    let r = rustix::process::getpriority_process(Some(tid))
+        .and_then(|now| rustix::process::setpriority_process(Some(tid), (now + i32::from(by)).min(19)));
+    if let Err(e) = r {
+        static WARNED: std::sync::Once = std::sync::Once::new();
+        WARNED.call_once(|| tracing::warn!(error = %e, "could not lower the streams' threads' priority"));
+    }
 }
 
 fn main() -> ExitCode {
@@ -116,7 +184,12 @@ fn main() -> ExitCode {
             return ExitCode::from(64); // EX_USAGE
         }
     };
-    let rt = match tokio::runtime::Runtime::new() {
+    let niceness = cfg.stream_niceness;
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .on_thread_start(move || renice_this_thread(niceness))
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kv-router: starting the runtime: {e}");

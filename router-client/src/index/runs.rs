@@ -439,15 +439,55 @@ impl Runs {
     }
 
     /// Heap bytes: allocated chunks, the directory and the bookkeeping.
+    ///
+    /// Never holds the pool's lock while it takes a holder's: writers take them in that order
+    /// (a holder's, then the pool's to allocate a page), so holding both here the other way
+    /// round deadlocked a writer and this reader (`/metrics` beside a stream).
     pub fn bytes(&self) -> usize {
         let chunks = self.chunks.iter().filter(|c| c.get().is_some()).count();
-        let st = lock(&self.state);
+        let pool = {
+            let st = lock(&self.state);
+            st.free.capacity() * 4 + st.retired.capacity() * 16
+        };
         let cursors: usize = self.cursors.iter().map(|c| lock(c).capacity() * (8 + 8 + 8)).sum();
         chunks * CHUNK * std::mem::size_of::<Page>()
             + self.chunks.len() * std::mem::size_of::<OnceLock<Box<[Page]>>>()
-            + st.free.capacity() * 4
-            + st.retired.capacity() * 16
+            + pool
             + cursors
             + STRIPES * std::mem::size_of::<Mutex<Cursors>>()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    #[test]
+    fn bytes_holds_no_lock_a_writer_with_a_holders_lock_waits_for() {
+        let runs = std::sync::Arc::new(Runs::default());
+        // A writer holds a holder's lock (as around every change of its slots)...
+        let held = runs.lock(7 << 34);
+        // ...while a reader counts the bytes: it waits for that lock.
+        let reader = {
+            let runs = runs.clone();
+            std::thread::spawn(move || runs.bytes())
+        };
+        std::thread::sleep(Duration::from_millis(100));
+        // The writer then allocates a page: it takes the pool's lock, which the reader must not
+        // be holding while it waits.
+        let (tx, rx) = mpsc::channel();
+        {
+            let runs = runs.clone();
+            std::thread::spawn(move || {
+                let grace = Grace::default();
+                let _ = tx.send(runs.alloc(7 << 34, &grace));
+            });
+        }
+        let page = rx.recv_timeout(Duration::from_secs(10)).expect("the pool's lock is free while bytes() waits");
+        assert_eq!(page, Some(0));
+        drop(held);
+        reader.join().expect("the reader ends once the holder's lock is free");
     }
 }

@@ -1,7 +1,8 @@
-//! `kv-router`'s refusals of bad discovery settings: the exit status and the message, before
-//! anything is bound.
+//! `kv-router`'s refusals of bad settings (the exit status and the message, before anything is
+//! bound), and its threads: the HTTP API apart from the streams, which run nicer.
 
-use std::process::Command;
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
 
 /// Runs `kv-router` with `args`: its exit status and stderr.
 fn run(args: &[&str]) -> (Option<i32>, String) {
@@ -36,6 +37,12 @@ fn bad_discovery_settings_are_refused_with_the_reason() {
     let (code, err) = run(&["--relays-dns", "kv-relay:50051", "--max-concurrent-resyncs", "0"]);
     assert_eq!(code, Some(2));
     assert!(err.contains("invalid value '0' for '--max-concurrent-resyncs <MAX_CONCURRENT_RESYNCS>'"), "{err}");
+    let (code, err) = run(&["--relay", "http://127.0.0.1:1", "--http-threads", "0"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("invalid value '0' for '--http-threads <HTTP_THREADS>'"), "{err}");
+    let (code, err) = run(&["--relay", "http://127.0.0.1:1", "--stream-niceness", "20"]);
+    assert_eq!(code, Some(2));
+    assert!(err.contains("invalid value '20' for '--stream-niceness <STREAM_NICENESS>'"), "{err}");
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relays.txt");
     std::fs::write(&file, "http://127.0.0.1:1\n127.0.0.1:2\n").unwrap();
@@ -53,4 +60,61 @@ fn bad_discovery_settings_are_refused_with_the_reason() {
     let (code, err) = run(&["--relays-file", dir.path().join("none.txt").to_str().unwrap()]);
     assert_eq!(code, Some(64));
     assert!(err.starts_with(&format!("kv-router: reading {}: ", dir.path().join("none.txt").display())), "{err}");
+}
+
+/// Each thread of `pid`: its name and niceness (`/proc/PID/task/TID/stat`, field 19).
+fn thread_niceness(pid: u32) -> Vec<(String, i32)> {
+    let mut out: Vec<(String, i32)> = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .map(|t| {
+            let stat = std::fs::read_to_string(t.unwrap().path().join("stat")).unwrap();
+            let (head, rest) = stat.rsplit_once(')').unwrap();
+            let name = head.split_once('(').unwrap().1.to_string();
+            (name, rest.split_whitespace().nth(16).unwrap().parse().unwrap())
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn the_streams_run_nicer_than_the_http_api() {
+    for (args, by) in [(&[][..], 5), (&["--stream-niceness", "3", "--http-threads", "2"][..], 3)] {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_kv-router"))
+            .args(["--relay", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"])
+            .args(args)
+            .env_remove("KV_ROUTER_RELAY_TOKEN")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
+        assert!(line.starts_with("kv-router listening on http://127.0.0.1:"), "{line}");
+        // One thread, or the thread accepting connections and N workers. A new thread names
+        // itself once it runs: read until they have.
+        let http = if by == 5 { 1 } else { 3 };
+        // A worker renices itself as it starts, just after it is named: read until each has
+        // (a failure to renice then shows in the assertions below, after the deadline).
+        let named = |t: &[(String, i32)]| {
+            let main = t.iter().find(|(n, _)| n == "kv-router").map_or(0, |m| m.1);
+            t.iter().filter(|(n, _)| n == "kv-router-http").count() == http
+                && t.iter().filter(|(n, _)| n == "tokio-rt-worker").all(|w| w.1 != main)
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut threads = thread_niceness(child.id());
+        while !named(&threads) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            threads = thread_niceness(child.id());
+        }
+        child.kill().unwrap();
+        child.wait().unwrap();
+        // The main thread's niceness is this test's (CI may run under nice).
+        let base = threads.iter().find(|(n, _)| n == "kv-router").expect("the main thread").1;
+        let of = |name: &str| threads.iter().filter(|(n, _)| n == name).map(|t| t.1).collect::<Vec<_>>();
+        assert_eq!(of("kv-router-http"), vec![base; http], "{threads:?}");
+        let workers = of("tokio-rt-worker");
+        assert!(!workers.is_empty(), "{threads:?}");
+        assert_eq!(workers, vec![(base + by).min(19); workers.len()], "{threads:?}");
+    }
 }
