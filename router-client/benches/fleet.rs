@@ -226,21 +226,11 @@ struct Router {
     _out: BufReader<std::process::ChildStdout>,
 }
 
-/// Sets this thread's niceness (`renice` on its thread id: Linux keeps a niceness per thread);
-/// says so when it cannot (lowering it needs CAP_SYS_NICE).
+/// Sets this thread's niceness (Linux keeps one per thread; lowering it needs CAP_SYS_NICE);
+/// says so when it cannot.
 fn renice_this_thread(nice: i32) {
-    let tid = std::fs::read_link("/proc/thread-self")
-        .ok()
-        .and_then(|p| p.file_name()?.to_str()?.parse::<u32>().ok());
-    let done = tid.is_some_and(|tid| {
-        Command::new("renice")
-            .args(["--priority", &nice.to_string(), "-p", &tid.to_string()])
-            .stdout(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success())
-    });
-    if !done {
-        eprintln!("could not set the /match caller's niceness to {nice}: its figures include its waits behind the fleet");
+    if let Err(e) = rustix::process::setpriority_process(Some(rustix::thread::gettid()), nice) {
+        eprintln!("could not set the /match caller's niceness to {nice} ({e}): its figures include its waits behind the fleet");
     }
 }
 
