@@ -12,7 +12,8 @@
 //!   seconds: the rate the fleet achieved, the router's CPU (per thread name), each relay's lag
 //!   (the store's newest cursor minus the router's), `/match` latency for 512-block requests
 //!   (keep-alive HTTP, one request at a time at `--match-rate` a second, from a thread at the
-//!   router's niceness, 0, as a caller on its own host); then, under the same
+//!   router's niceness, 0, as a caller on its own host), with the same requests for half of
+//!   `--load-s` before the stream as its peer; then, under the same
 //!   stream, a relay restarts with a new epoch: the time until the router holds the new epoch at
 //!   the new store's cursor, and whether any other worker left `fresh` meanwhile.
 //! - `dns`: discovery through the resolver seam (the code `--relays-dns` runs, in this process):
@@ -234,6 +235,65 @@ fn renice_this_thread(nice: i32) {
     }
 }
 
+/// A thread sending `/match` requests for 512 live blocks of one relay, one at a time at `rate`
+/// a second, from when `go` is set until `stop` is; their latencies (ms) go to `latencies`.
+fn spawn_matcher(
+    addr: SocketAddr,
+    (rate, limit): (f64, Option<u64>),
+    windows: Arc<Mutex<Vec<u64>>>,
+    (go, stop): (Arc<AtomicBool>, Arc<AtomicBool>),
+    latencies: Arc<Mutex<Vec<f64>>>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        // The caller runs at the router's niceness, as a router's caller on its own host
+        // would; at the fleet's, its own wait behind the fleet's threads was in the figures.
+        renice_this_thread(0);
+        let mut http = Http::new(addr);
+        while !go.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let begin = Instant::now();
+        let mut k = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let due = begin + Duration::from_secs_f64(k as f64 / rate);
+            if let Some(wait) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(wait);
+            }
+            // 512 live blocks of one relay.
+            let (relay, first) = {
+                let w = windows.lock().expect("windows");
+                let relay = (k as usize * 7919) % w.len();
+                (relay as u64, w[relay])
+            };
+            let hashes: Vec<u64> = (first..first + 512).map(|b| relay << 32 | b).collect();
+            let mut body = serde_json::json!({ "block_hashes": hashes });
+            if let Some(k) = limit {
+                body["limit"] = k.into();
+            }
+            let body = serde_json::to_vec(&body).expect("json");
+            let t = Instant::now();
+            let resp = http.call("POST", "/match", &body).expect("/match");
+            let took = t.elapsed().as_secs_f64() * 1e3;
+            if k == 0 {
+                let v: Value = serde_json::from_slice(&resp).expect("json");
+                let best = v["workers"]
+                    .as_array()
+                    .map_or(0, |w| w.iter().filter_map(|m| m["matched_blocks"].as_u64()).max().unwrap_or(0));
+                println!(
+                    "/match: {} bytes, {} workers, best match {best} blocks",
+                    resp.len(),
+                    v["workers"].as_array().map_or(0, Vec::len)
+                );
+            }
+            // The first few open the connection and warm it.
+            if k >= 5 {
+                latencies.lock().expect("latencies").push(took);
+            }
+            k += 1;
+        }
+    })
+}
+
 impl Router {
     /// kv-router on `relays_file`, at niceness 0 whatever this process's (run the bench under
     /// `nice` to give the fleet only what the router leaves), with the relay's shipped malloc
@@ -425,6 +485,32 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
         index_bytes / blocks.max(1.0)
     ));
 
+    // (c0) `/match` with no stream: the same-run peer of the figures beside it.
+    let idle = {
+        let (stop, lat) = (Arc::new(AtomicBool::new(false)), Arc::new(Mutex::new(Vec::new())));
+        let m = spawn_matcher(
+            router.addr,
+            (opts.match_rate, opts.match_limit),
+            Arc::new(Mutex::new(windows(&fleet))),
+            (Arc::new(AtomicBool::new(true)), stop.clone()),
+            lat.clone(),
+        );
+        std::thread::sleep(opts.load / 2);
+        stop.store(true, Ordering::Relaxed);
+        m.join().expect("matcher");
+        let mut l = std::mem::take(&mut *lat.lock().expect("latencies"));
+        l.sort_by(f64::total_cmp);
+        l
+    };
+    println!(
+        "/match with no stream: {} requests, p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms (load {})",
+        idle.len(),
+        pct(&idle, 0.5),
+        pct(&idle, 0.99),
+        pct(&idle, 1.0),
+        loadavg()
+    );
+
     // (c, d) A stream of records; CPU, lag, /match.
     let stream = fleet.stream(opts.stream(n));
     let (cpu0, threads0, t0) = (cpu_ticks(router.pid()), thread_ticks(router.pid()), Instant::now());
@@ -432,59 +518,13 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
     let latencies = Arc::new(Mutex::new(Vec::new()));
     // Updated at each lag sample: the stream removes the oldest blocks.
     let windows = Arc::new(Mutex::new(windows(&fleet)));
-    let matcher = {
-        let (stop, go, latencies, windows, addr) =
-            (stop.clone(), go.clone(), latencies.clone(), windows.clone(), router.addr);
-        let (rate, limit) = (opts.match_rate, opts.match_limit);
-        std::thread::spawn(move || {
-            // The caller runs at the router's niceness, as a router's caller on its own host
-            // would; at the fleet's, its own wait behind the fleet's threads was in the figures.
-            renice_this_thread(0);
-            let mut http = Http::new(addr);
-            while !go.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            let begin = Instant::now();
-            let mut k = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let due = begin + Duration::from_secs_f64(k as f64 / rate);
-                if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-                // 512 live blocks of one relay.
-                let (relay, first) = {
-                    let w = windows.lock().expect("windows");
-                    let relay = (k as usize * 7919) % w.len();
-                    (relay as u64, w[relay])
-                };
-                let hashes: Vec<u64> = (first..first + 512).map(|b| relay << 32 | b).collect();
-                let mut body = serde_json::json!({ "block_hashes": hashes });
-                if let Some(k) = limit {
-                    body["limit"] = k.into();
-                }
-                let body = serde_json::to_vec(&body).expect("json");
-                let t = Instant::now();
-                let resp = http.call("POST", "/match", &body).expect("/match");
-                let took = t.elapsed().as_secs_f64() * 1e3;
-                if k == 0 {
-                    let v: Value = serde_json::from_slice(&resp).expect("json");
-                    let best = v["workers"]
-                        .as_array()
-                        .map_or(0, |w| w.iter().filter_map(|m| m["matched_blocks"].as_u64()).max().unwrap_or(0));
-                    println!(
-                        "/match: {} bytes, {} workers, best match {best} blocks",
-                        resp.len(),
-                        v["workers"].as_array().map_or(0, Vec::len)
-                    );
-                }
-                // The first few open the connection and warm it.
-                if k >= 5 {
-                    latencies.lock().expect("latencies").push(took);
-                }
-                k += 1;
-            }
-        })
-    };
+    let matcher = spawn_matcher(
+        router.addr,
+        (opts.match_rate, opts.match_limit),
+        windows.clone(),
+        (go.clone(), stop.clone()),
+        latencies.clone(),
+    );
     // The first half: the stream alone (CPU, lag); the second: /match requests beside it.
     let mut lags: Vec<u64> = Vec::new();
     let mut max_lag = 0u64;
@@ -554,12 +594,16 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
         pct(&lat, 1.0)
     );
     rows.push(format!(
-        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive{}) | {:.3} / {:.3} / {:.3} ms | p99 at most 1 ms | {load_c} |",
+        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive{}) | {:.3} / {:.3} / {:.3} ms; with no stream, same run ({} requests): {:.3} / {:.3} / {:.3} ms | p99 at most 1 ms | {load_c} |",
         lat.len(),
         opts.match_limit.map_or(String::new(), |k| format!(", \"limit\": {k}")),
         pct(&lat, 0.5),
         pct(&lat, 0.99),
-        pct(&lat, 1.0)
+        pct(&lat, 1.0),
+        idle.len(),
+        pct(&idle, 0.5),
+        pct(&idle, 0.99),
+        pct(&idle, 1.0)
     ));
 
     // (e) A relay restarts with a new epoch, the stream still on.

@@ -96,9 +96,11 @@ impl Opts {
             history_batches: if quick { 300 } else { 10_050 },
             latency_rate: if quick { 200.0 } else { 10_000.0 },
             latency_window: Duration::from_millis(env_u("KV_RELAY_BENCH_WINDOW_MS", if quick { 800 } else { 5000 })),
-            rates: std::env::var("KV_RELAY_BENCH_RATES")
-                .ok()
-                .map(|s| s.split(',').map(|r| r.trim().parse().expect("KV_RELAY_BENCH_RATES: batches/s, comma-separated")).collect()),
+            rates: std::env::var("KV_RELAY_BENCH_RATES").ok().map(|s| {
+                s.split(',')
+                    .map(|r| r.trim().parse().expect("KV_RELAY_BENCH_RATES: batches/s, comma-separated"))
+                    .collect()
+            }),
             dir: std::env::var("KV_RELAY_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| std::env::temp_dir()),
             trace,
             only: std::env::var("KV_RELAY_BENCH_ONLY")
@@ -692,11 +694,8 @@ async fn count_session(
     let req = pb::SubscribeRequest { after_cursor: *after, allow_snapshot: true, ..Default::default() };
     let codec = tonic_prost::ProstCodec::<pb::SubscribeRequest, ThinResponse>::default();
     let path = tonic::codegen::http::uri::PathAndQuery::from_static("/kv_relay.v1.Relay/Subscribe");
-    let mut stream = grpc
-        .server_streaming(tonic::Request::new(req), path, codec)
-        .await
-        .map_err(|e| e.to_string())?
-        .into_inner();
+    let mut stream =
+        grpc.server_streaming(tonic::Request::new(req), path, codec).await.map_err(|e| e.to_string())?.into_inner();
     sh.sessions.fetch_add(1, Ordering::Relaxed);
     loop {
         let msg = tokio::select! {
