@@ -418,6 +418,18 @@ fn pct(sorted: &[f64], p: f64) -> f64 {
     sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
 }
 
+/// A matcher's latencies, taken and sorted.
+fn take_sorted(latencies: &Mutex<Vec<f64>>) -> Vec<f64> {
+    let mut l = std::mem::take(&mut *latencies.lock().expect("latencies"));
+    l.sort_by(f64::total_cmp);
+    l
+}
+
+/// `p50 / p99 / max ms` of sorted latencies.
+fn spread(sorted: &[f64]) -> String {
+    format!("{:.3} / {:.3} / {:.3} ms", pct(sorted, 0.5), pct(sorted, 0.99), pct(sorted, 1.0))
+}
+
 // ---- parts ---------------------------------------------------------------------------------------
 
 fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>) {
@@ -498,18 +510,9 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
         std::thread::sleep(opts.load / 2);
         stop.store(true, Ordering::Relaxed);
         m.join().expect("matcher");
-        let mut l = std::mem::take(&mut *lat.lock().expect("latencies"));
-        l.sort_by(f64::total_cmp);
-        l
+        take_sorted(&lat)
     };
-    println!(
-        "/match with no stream: {} requests, p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms (load {})",
-        idle.len(),
-        pct(&idle, 0.5),
-        pct(&idle, 0.99),
-        pct(&idle, 1.0),
-        loadavg()
-    );
+    println!("/match with no stream: {} requests, p50 / p99 / max {} (load {})", idle.len(), spread(&idle), loadavg());
 
     // (c, d) A stream of records; CPU, lag, /match.
     let stream = fleet.stream(opts.stream(n));
@@ -584,26 +587,15 @@ fn part_router(opts: &Opts, rt: &tokio::runtime::Runtime, rows: &mut Vec<String>
         if opts.quick { 0.3 } else { 2.0 },
         max_lag as f64 / per_relay.max(1e-9)
     ));
-    let mut lat = std::mem::take(&mut *latencies.lock().expect("latencies"));
-    lat.sort_by(f64::total_cmp);
-    println!(
-        "/match: {} requests, p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms",
-        lat.len(),
-        pct(&lat, 0.5),
-        pct(&lat, 0.99),
-        pct(&lat, 1.0)
-    );
+    let lat = take_sorted(&latencies);
+    println!("/match: {} requests, p50 / p99 / max {}", lat.len(), spread(&lat));
     rows.push(format!(
-        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive{}) | {:.3} / {:.3} / {:.3} ms; with no stream, same run ({} requests): {:.3} / {:.3} / {:.3} ms | p99 at most 1 ms | {load_c} |",
+        "| `/match` of 512 blocks under that stream, p50 / p99 / max ({} requests, keep-alive{}) | {}; with no stream, same run ({} requests): {} | p99 at most 1 ms | {load_c} |",
         lat.len(),
         opts.match_limit.map_or(String::new(), |k| format!(", \"limit\": {k}")),
-        pct(&lat, 0.5),
-        pct(&lat, 0.99),
-        pct(&lat, 1.0),
+        spread(&lat),
         idle.len(),
-        pct(&idle, 0.5),
-        pct(&idle, 0.99),
-        pct(&idle, 1.0)
+        spread(&idle)
     ));
 
     // (e) A relay restarts with a new epoch, the stream still on.

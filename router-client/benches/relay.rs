@@ -601,13 +601,19 @@ async fn follow(
     }
 }
 
-async fn connect(url: &str) -> Result<RelayClient<tonic::transport::Channel>, String> {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
+/// The largest message a subscriber of this bench decodes.
+const MAX_MESSAGE: usize = 64 << 20;
+
+async fn channel(url: &str) -> Result<tonic::transport::Channel, String> {
+    tonic::transport::Endpoint::from_shared(url.to_string())
         .map_err(|e| e.to_string())?
         .connect()
         .await
-        .map_err(|e| e.to_string())?;
-    Ok(RelayClient::new(ch).max_decoding_message_size(64 << 20))
+        .map_err(|e| e.to_string())
+}
+
+async fn connect(url: &str) -> Result<RelayClient<tonic::transport::Channel>, String> {
+    Ok(RelayClient::new(channel(url).await?).max_decoding_message_size(MAX_MESSAGE))
 }
 
 async fn session(
@@ -684,12 +690,7 @@ async fn count_session(
     stop: &mut tokio::sync::watch::Receiver<bool>,
     after: &mut u64,
 ) -> Result<(), String> {
-    let ch = tonic::transport::Endpoint::from_shared(url.to_string())
-        .map_err(|e| e.to_string())?
-        .connect()
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut grpc = tonic::client::Grpc::new(ch).max_decoding_message_size(64 << 20);
+    let mut grpc = tonic::client::Grpc::new(channel(url).await?).max_decoding_message_size(MAX_MESSAGE);
     grpc.ready().await.map_err(|e| e.to_string())?;
     let req = pb::SubscribeRequest { after_cursor: *after, allow_snapshot: true, ..Default::default() };
     let codec = tonic_prost::ProstCodec::<pb::SubscribeRequest, ThinResponse>::default();

@@ -31,18 +31,29 @@ fn bad_discovery_settings_are_refused_with_the_reason() {
         ),
         "{err}"
     );
-    let (code, err) = run(&["--relays-dns", "kv-relay:50051", "--dns-interval-ms", "0"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("invalid value '0' for '--dns-interval-ms <DNS_INTERVAL_MS>'"), "{err}");
-    let (code, err) = run(&["--relays-dns", "kv-relay:50051", "--max-concurrent-resyncs", "0"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("invalid value '0' for '--max-concurrent-resyncs <MAX_CONCURRENT_RESYNCS>'"), "{err}");
-    let (code, err) = run(&["--relay", "http://127.0.0.1:1", "--http-threads", "0"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("invalid value '0' for '--http-threads <HTTP_THREADS>'"), "{err}");
-    let (code, err) = run(&["--relay", "http://127.0.0.1:1", "--stream-niceness", "20"]);
-    assert_eq!(code, Some(2));
-    assert!(err.contains("invalid value '20' for '--stream-niceness <STREAM_NICENESS>'"), "{err}");
+    // Values out of a flag's range: clap's usage error.
+    for (args, message) in [
+        (
+            ["--relays-dns", "kv-relay:50051", "--dns-interval-ms", "0"],
+            "invalid value '0' for '--dns-interval-ms <DNS_INTERVAL_MS>'",
+        ),
+        (
+            ["--relays-dns", "kv-relay:50051", "--max-concurrent-resyncs", "0"],
+            "invalid value '0' for '--max-concurrent-resyncs <MAX_CONCURRENT_RESYNCS>'",
+        ),
+        (
+            ["--relay", "http://127.0.0.1:1", "--http-threads", "0"],
+            "invalid value '0' for '--http-threads <HTTP_THREADS>'",
+        ),
+        (
+            ["--relay", "http://127.0.0.1:1", "--stream-niceness", "20"],
+            "invalid value '20' for '--stream-niceness <STREAM_NICENESS>'",
+        ),
+    ] {
+        let (code, err) = run(&args);
+        assert_eq!(code, Some(2), "{args:?}");
+        assert!(err.contains(message), "{err}");
+    }
     let dir = tempfile::tempdir().unwrap();
     let file = dir.path().join("relays.txt");
     std::fs::write(&file, "http://127.0.0.1:1\n127.0.0.1:2\n").unwrap();
@@ -79,7 +90,9 @@ fn thread_niceness(pid: u32) -> Vec<(String, i32)> {
 
 #[test]
 fn the_streams_run_nicer_than_the_http_api() {
-    for (args, by) in [(&[][..], 5), (&["--stream-niceness", "3", "--http-threads", "2"][..], 3)] {
+    // (flags, how much nicer the streams run, threads named for HTTP: one, or the thread
+    // accepting connections and its N workers)
+    for (args, by, http) in [(&[][..], 5, 1), (&["--stream-niceness", "3", "--http-threads", "2"][..], 3, 3)] {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kv-router"))
             .args(["--relay", "http://127.0.0.1:1", "--listen", "127.0.0.1:0"])
             .args(args)
@@ -91,11 +104,9 @@ fn the_streams_run_nicer_than_the_http_api() {
         let mut line = String::new();
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         assert!(line.starts_with("kv-router listening on http://127.0.0.1:"), "{line}");
-        // One thread, or the thread accepting connections and N workers. A new thread names
-        // itself once it runs: read until they have.
-        let http = if by == 5 { 1 } else { 3 };
-        // A worker renices itself as it starts, just after it is named: read until each has
-        // (a failure to renice then shows in the assertions below, after the deadline).
+        // A new thread names itself once it runs, and a worker renices itself just after: read
+        // until they have (a failure to renice then shows in the assertions below, after the
+        // deadline).
         let named = |t: &[(String, i32)]| {
             let main = t.iter().find(|(n, _)| n == "kv-router").map_or(0, |m| m.1);
             t.iter().filter(|(n, _)| n == "kv-router-http").count() == http
