@@ -181,7 +181,7 @@ history_bytes = 268435456
 store_cache_bytes = 67108864
 listen = "127.0.0.1:50051"
 metrics_listen = "127.0.0.1:9464"
-queue = 1024
+queue = 256
 replay_timeout_ms = 2000
 tail_probe_ms = 3000
 max_message_bytes = 16777216
@@ -196,7 +196,8 @@ hash_check = false
 rate_per_second = 10
 rate_burst = 20
 max_subscribers = 256
-max_snapshots = 8' "$effective" "check-config of the installed /etc/kv-relay/default.toml"
+max_snapshots = 8
+threads = 1' "$effective" "check-config of the installed /etc/kv-relay/default.toml"
 echo "installed config: ok (check-config accepts it)"
 
 if ! command -v man >/dev/null 2>&1; then

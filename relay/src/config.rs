@@ -65,8 +65,9 @@ pub struct Args {
     /// The Prometheus metrics listen address; `off` disables it.
     #[arg(long, env = "KV_RELAY_METRICS_LISTEN", default_value = "127.0.0.1:9464")]
     pub metrics_listen: String,
-    /// Capacity of the queue between ingest and commit, in batches.
-    #[arg(long, env = "KV_RELAY_QUEUE", default_value_t = 1024)]
+    /// The most batches a rank's thread decodes before it commits them as one group; it commits
+    /// sooner, as soon as its socket has nothing more ready.
+    #[arg(long, env = "KV_RELAY_QUEUE", default_value_t = 256)]
     pub queue: usize,
     /// How long a replay request may go unanswered, in milliseconds.
     #[arg(long, env = "KV_RELAY_REPLAY_TIMEOUT_MS", default_value_t = 2000)]
@@ -106,6 +107,10 @@ pub struct Args {
     /// Snapshots being sent at once, whole relay.
     #[arg(long, env = "KV_RELAY_SERVER_MAX_SNAPSHOTS", default_value_t = 8)]
     pub server_max_snapshots: usize,
+    /// Threads that run the gRPC server (every stream's sends) and the daemon's timers. One
+    /// keeps a quiet relay's wakeups to one a batch; raise it for many subscribers at high rates.
+    #[arg(long, env = "KV_RELAY_SERVER_THREADS", default_value_t = 1)]
+    pub server_threads: usize,
     /// Checks the engine's block hashes: each store's blocks are re-hashed from their token ids
     /// with the engine's hash settings below, and mismatches counted per rank (a diagnostic:
     /// events are never dropped or changed by it). `--hash-check` or `--hash-check=true|false`.
@@ -366,6 +371,7 @@ impl Args {
             ("server-rate-burst", self.server_rate_burst as usize),
             ("server-max-subscribers", self.server_max_subscribers),
             ("server-max-snapshots", self.server_max_snapshots),
+            ("server-threads", self.server_threads),
         ] {
             if v == 0 {
                 return Err(bad(setting, "must be at least 1"));
@@ -379,6 +385,7 @@ impl Args {
             rate_burst: self.server_rate_burst,
             max_subscribers: self.server_max_subscribers,
             max_snapshots: self.server_max_snapshots,
+            threads: self.server_threads,
             ..ServerConfig::default()
         };
         let files = ServerFiles {

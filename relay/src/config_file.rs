@@ -172,6 +172,7 @@ const SERVER_KEYS: &[(&str, &str, &str)] = &[
     ("rate_burst", "server_rate_burst", "server-rate-burst"),
     ("max_subscribers", "server_max_subscribers", "server-max-subscribers"),
     ("max_snapshots", "server_max_snapshots", "server-max-snapshots"),
+    ("threads", "server_threads", "server-threads"),
 ];
 
 fn unknown(path: &Path, key: &str, known: &[(&str, &str, &str)]) -> ConfigError {
@@ -270,6 +271,7 @@ fn set(args: &mut Args, id: &str, setting: &'static str, at: &At<'_>, v: &Value)
         "server_rate_burst" => args.server_rate_burst = uint(u32::MAX as u64)? as u32,
         "server_max_subscribers" => args.server_max_subscribers = uint(usize::MAX as u64)? as usize,
         "server_max_snapshots" => args.server_max_snapshots = uint(usize::MAX as u64)? as usize,
+        "server_threads" => args.server_threads = uint(usize::MAX as u64)? as usize,
         other => unreachable!("key table names argument {other} that `set` does not know"),
     }
     Ok(())
@@ -355,6 +357,7 @@ pub fn effective_toml(c: &Config) -> String {
     let _ = writeln!(o, "rate_burst = {}", s.rate_burst);
     let _ = writeln!(o, "max_subscribers = {}", s.max_subscribers);
     let _ = writeln!(o, "max_snapshots = {}", s.max_snapshots);
+    let _ = writeln!(o, "threads = {}", s.threads);
     o
 }
 

@@ -1,26 +1,27 @@
 //! The daemon: `run(config, shutdown)` wires ingest → commit → serve, and is what the binary
 //! and the tests call.
 //!
-//! * The ingest's rank threads hand items to the **committer**, a thread of its own that owns the
-//!   store's write side: it attaches the rank's latest load to each batch and commits it. When
-//!   the store fails (disk full, read-only), the committer keeps the item, counts the error,
-//!   and retries with backoff: the bounded queue then backs up onto the engine's sockets, and
-//!   nothing is dropped.
+//! * The ingest's rank threads **commit their own batches** (`crate::commit`): each batch gets
+//!   its rank's latest load, and what a thread decoded since its socket was last empty goes to
+//!   the store as one group. When the store fails (disk full, read-only), the thread keeps the
+//!   records, counts the error, and retries with backoff: its SUB queue then backs up onto the
+//!   engine's socket, and nothing is dropped.
 //! * The **load scraper** polls the engine's `/metrics`.
 //! * **Heartbeats**: every `heartbeat` interval, each rank that has been quiet that long gets a
 //!   heartbeat with its load, live only (not in the history).
 
+use crate::commit::Commits;
 use crate::config::Config;
-use crate::ingest::{self, load::Loads, Ingest, IngestItem, Resume};
-use crate::model::{Control, ControlKind, Load, RecordBody};
+use crate::ingest::{self, load::Loads, Ingest, Resume};
+use crate::model::Load;
 use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
 use crate::server::{self, ServerConfig};
 use crate::store::{CheckpointPolicy, HistoryLimits, Store, StoreConfig, StoreError};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, RwLock};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tokio::sync::{broadcast, mpsc};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use tokio::sync::broadcast;
 
 /// Why the daemon could not start or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -92,9 +93,6 @@ pub async fn run(
             Some((r, Resume { last_seq: s.last_seq?, last_ts: s.last_ts? }))
         })
         .collect();
-    let (tx, rx) = mpsc::channel::<IngestItem>(cfg.ingest.queue);
-    let ctx = zmq::Context::new();
-    let ingest = Ingest::start(&cfg.ingest, ctx, &resume, tx)?;
     let status = RelayStatusHandle::new(engine_name(&cfg));
     status.add_ranks(cfg.ingest.dp_ranks.iter().copied());
     // Where each rank stands after a restart, before its next batch is committed.
@@ -103,20 +101,13 @@ pub async fn run(
     }
     let loads: Arc<RwLock<Loads>> = Arc::default();
     let notices = notice_channel();
-
-    // Set by the committer when the store failed for good (see `STORE_FAILED_EXIT_AFTER`).
-    let store_failed: Arc<std::sync::Mutex<Option<StoreError>>> = Arc::default();
-    let (failed_tx, mut failed_rx) = tokio::sync::watch::channel(false);
-    let committer = {
-        let (store, loads, status) = (store.clone(), loads.clone(), status.clone());
-        std::thread::Builder::new()
-            .name("committer".into())
-            .spawn({
-                let store_failed = store_failed.clone();
-                move || commit_loop(rx, store, loads, status, (failed_tx, store_failed))
-            })
-            .expect("spawning the committer")
-    };
+    // Each rank's thread commits its own batches; set when the store failed for good (see
+    // `commit::STORE_FAILED_EXIT_AFTER`).
+    let commits = Commits::new(store.clone(), loads.clone(), status.clone());
+    let mut failed_rx = commits.failed();
+    let ctx = zmq::Context::new();
+    let group = cfg.ingest.queue;
+    let ingest = Ingest::start(&cfg.ingest, ctx, &resume, |rank| Box::new(commits.for_rank(rank, group)))?;
     let shutdown = async move {
         tokio::select! {
             _ = shutdown => {}
@@ -146,160 +137,19 @@ pub async fn run(
     for t in tasks {
         let _ = t.await;
     }
-    // The rank threads stop; then the channel closes and the committer drains what is queued.
+    // The rank threads commit what they hold and stop.
     tokio::task::spawn_blocking(move || ingest.stop()).await.ok();
-    tokio::task::spawn_blocking(move || committer.join()).await.ok();
     if let Err(e) = store.flush() {
         tracing::error!(error = %e, "flushing the store at shutdown");
     }
-    if let Some(e) = store_failed.lock().unwrap_or_else(|p| p.into_inner()).take() {
+    if let Some(e) = commits.take_failure() {
         return Err(DaemonError::Store(e));
     }
     served.map_err(|e| DaemonError::Serve(e.to_string()))
 }
 
-/// How long the committer retries a store that failed and must be reopened (a sync of the log
-/// failed, or a failed write could not be cut back) before the daemon stops with that error, so
-/// that its supervisor (systemd `Restart=on-failure`, a pod's restart policy) reopens the store:
-/// the reopened store holds every commit whose frame is whole on disk, and the relay refills the
-/// rest from the engine's replay socket. A full disk does not fail the store: commits are
-/// refused, and retried, until there is room. Meanwhile Status and metrics show the errors.
-pub const STORE_FAILED_EXIT_AFTER: Duration = Duration::from_secs(5);
-
 fn engine_name(cfg: &Config) -> String {
     format!("{} ({} ranks)", cfg.ingest.endpoint, cfg.ingest.dp_ranks.len())
-}
-
-/// The ingest lag a rank reports: the largest of the batches committed in the last
-/// [`LAG_WINDOW`]. A delayed publisher's held batches arrive in one burst, oldest first, and
-/// are committed together with the newest: the last batch's lag alone would hide the delay.
-#[derive(Default)]
-struct LagWindow {
-    since: Option<Instant>,
-    max_ms: u64,
-}
-
-/// How long a lag stays reported after its batch was committed.
-const LAG_WINDOW: Duration = Duration::from_secs(2);
-
-impl LagWindow {
-    /// Adds a committed batch's lag; returns the lag to report.
-    fn add(&mut self, lag_ms: u64) -> u64 {
-        match self.since {
-            Some(t) if t.elapsed() < LAG_WINDOW => self.max_ms = self.max_ms.max(lag_ms),
-            _ => {
-                self.since = Some(Instant::now());
-                self.max_ms = lag_ms;
-            }
-        }
-        self.max_ms
-    }
-}
-
-/// Commits `group` one record at a time after the store refused it as a whole because a record
-/// is one it cannot hold (`StoreError::Invalid`): each such record is dropped, logged and
-/// counted (`store_refused`), and its rank marked degraded, in the stream and in the status,
-/// since its blocks may no longer be the engine's. The decoder bounds what reaches the store,
-/// so this is a guard, not a path: without it one such record would hold ingest for good. On
-/// any other error the records not committed are left in `group`, in order, for the caller's
-/// retry.
-fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelayStatusHandle) {
-    let mut rest: std::collections::VecDeque<RecordBody> = std::mem::take(group).into();
-    while let Some(body) = rest.pop_front() {
-        let mut one = vec![body];
-        match store.commit_group(&mut one) {
-            Ok(_) => {}
-            Err(e @ StoreError::Invalid { .. }) => {
-                let (dp_rank, what, batch) = match &one[0] {
-                    RecordBody::Batch { batch, .. } => (batch.dp_rank, format!("batch seq {}", batch.seq), true),
-                    RecordBody::Control(c) => (c.dp_rank, "a control record".to_string(), false),
-                };
-                let reason = format!("{what} could not be stored ({e}) and was dropped");
-                tracing::error!(dp_rank, %reason, "record dropped: the store cannot hold it");
-                status.add("store_refused", 1);
-                status.set_rank_state(dp_rank, RankState::Degraded, reason.clone());
-                // A refused control is not answered with another (it could be refused in turn).
-                if batch {
-                    let degraded = Control { dp_rank, kind: ControlKind::RankDegraded { reason } };
-                    rest.push_front(RecordBody::Control(degraded));
-                }
-            }
-            Err(_) => {
-                group.extend(one);
-                group.extend(rest);
-                return;
-            }
-        }
-    }
-}
-
-/// Most records committed in one sled transaction: what is already queued when the committer
-/// wakes, up to this many, goes in together.
-const COMMIT_GROUP: usize = 256;
-
-fn commit_loop(
-    mut rx: mpsc::Receiver<IngestItem>,
-    store: Store,
-    loads: Arc<RwLock<Loads>>,
-    status: RelayStatusHandle,
-    failed: (tokio::sync::watch::Sender<bool>, Arc<std::sync::Mutex<Option<StoreError>>>),
-) {
-    let mut group: Vec<RecordBody> = Vec::with_capacity(COMMIT_GROUP);
-    let mut batches: Vec<(u32, u64, f64)> = Vec::with_capacity(COMMIT_GROUP);
-    let mut lag_window: BTreeMap<u32, LagWindow> = BTreeMap::new();
-    while let Some(first) = rx.blocking_recv() {
-        let mut next = Some(first);
-        while let Some(item) = next.take() {
-            group.push(match item {
-                IngestItem::Batch { batch, .. } => {
-                    let load = ingest::load::for_rank(&loads.read().expect("loads"), batch.dp_rank);
-                    batches.push((batch.dp_rank, batch.seq, batch.ts));
-                    RecordBody::Batch { batch, load }
-                }
-                IngestItem::Control(c) => RecordBody::Control(c),
-            });
-            if group.len() < COMMIT_GROUP {
-                next = rx.try_recv().ok();
-            }
-        }
-        let started = Instant::now();
-        let records = group.len();
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            match store.commit_group(&mut group) {
-                Ok(_) => break,
-                Err(StoreError::Invalid { .. }) => {
-                    // A record the store cannot hold: committing it again cannot help.
-                    status.add("store_errors", 1);
-                    commit_holdable(&store, &mut group, &status);
-                    if group.is_empty() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    status.add("store_errors", 1);
-                    if matches!(e, StoreError::Failed { .. }) && started.elapsed() >= STORE_FAILED_EXIT_AFTER {
-                        tracing::error!(error = %e, "the store must be reopened: stopping the relay so it restarts");
-                        *failed.1.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
-                        failed.0.send_replace(true);
-                        return;
-                    }
-                    // Keep the records and retry: the queue backs up onto the engine's sockets.
-                    tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
-                }
-            }
-        }
-        metrics::histogram!("kv_relay_commit_seconds").record(started.elapsed().as_secs_f64());
-        metrics::histogram!("kv_relay_commit_group_records").record(records as f64);
-        let now = now_ms() as f64;
-        for (rank, seq, ts) in batches.drain(..) {
-            let lag_ms = lag_window.entry(rank).or_default().add((now - ts * 1000.0).max(0.0) as u64);
-            metrics::gauge!("kv_relay_ingest_lag_seconds", "rank" => rank.to_string()).set(lag_ms as f64 / 1000.0);
-            status.batch_committed(rank, seq, lag_ms);
-        }
-    }
 }
 
 /// Exports the store's and the server's sizes as gauges, every second: history size, live blocks
@@ -479,73 +329,5 @@ mod tests {
         assert_eq!(s.limits, HistoryLimits { max_batches: 500, max_bytes: 2 << 20 });
         assert_eq!(s.cache_bytes, 8 << 20);
         assert_eq!(s.recent, StoreConfig::new("/var/lib/kv-relay/a").recent);
-    }
-
-    /// A record the store cannot hold is dropped, its rank marked degraded, and ingest goes on:
-    /// it must not be retried for good (it would hold every later batch back).
-    #[test]
-    fn the_committer_drops_a_record_the_store_cannot_hold_and_goes_on() {
-        use crate::model::{Batch, Block, Event, Group, Namespace, Stored, Tier, TokenLayout};
-        let stored = |seq: u64, tier: Tier, hash: u64| IngestItem::Batch {
-            batch: Batch {
-                dp_rank: 1,
-                seq,
-                ts: 0.0,
-                events: vec![Event::Stored(Stored {
-                    tier,
-                    group: Group::default(),
-                    parent: None,
-                    block_size: 16,
-                    token_layout: TokenLayout::Single,
-                    blocks: vec![Block { hash, token_ids: vec![], extra_keys: None }],
-                    namespace: Namespace::default(),
-                    session_id: None,
-                    ownership: None,
-                    lookahead_token_ids: None,
-                    block_mm_infos: None,
-                })],
-            },
-            drops: Default::default(),
-            refilled: false,
-        };
-        let dir = tempfile::tempdir().unwrap();
-        let store = Store::open(StoreConfig::new(dir.path())).unwrap();
-        let status = RelayStatusHandle::new("test");
-        let (tx, rx) = mpsc::channel(8);
-        // Queued before the committer starts: the three go to the store as one group.
-        for item in
-            [stored(10, Tier::Device, 1), stored(11, Tier::Other("m".repeat(70_000)), 2), stored(12, Tier::Device, 3)]
-        {
-            tx.try_send(item).unwrap();
-        }
-        drop(tx);
-        let failed = (tokio::sync::watch::channel(false).0, Arc::new(std::sync::Mutex::new(None)));
-        commit_loop(rx, store.clone(), Arc::default(), status.clone(), failed);
-        let reason =
-            "batch seq 11 could not be stored (cannot store this tier: tier name of 70000 bytes) and was dropped";
-        let got: Vec<(u64, String)> = store
-            .history(0, 10)
-            .unwrap()
-            .into_iter()
-            .map(|r| {
-                let what = match r.body {
-                    RecordBody::Batch { batch, .. } => format!("batch {}", batch.seq),
-                    RecordBody::Control(c) => format!("{:?} of rank {}", c.kind, c.dp_rank),
-                };
-                (r.cursor, what)
-            })
-            .collect();
-        assert_eq!(
-            got,
-            vec![
-                (1, "batch 10".to_string()),
-                (2, format!("RankDegraded {{ reason: {reason:?} }} of rank 1")),
-                (3, "batch 12".to_string()),
-            ]
-        );
-        let rank = status.rank(1).unwrap();
-        assert_eq!((rank.state, rank.reason.as_str(), rank.last_engine_seq), (RankState::Degraded, reason, 12));
-        assert_eq!(status.get().counters.get("store_refused"), Some(&1));
-        assert_eq!(store.live_stats().blocks, 2);
     }
 }

@@ -16,6 +16,7 @@
 //! - [`ingest`]: the engine side: a SUB and a replay DEALER per DP rank, gap refill, restarts,
 //!   priming, lost tails, the engine's load.
 //! - [`live`]: the live-block set with copies counted (the reference semantics of the snapshot).
+//! - [`commit`]: each rank's thread commits its own batches to the store (group commit).
 //! - [`store`]: the durable store in sled: bounded history, live-block snapshot, epoch and crash protocol.
 //! - [`server`]: the gRPC server (`kv_relay.v1.Relay`, health, reflection): resume streams over
 //!   the store, TLS, token, rate limits.
@@ -30,6 +31,7 @@
 //! - [`decode_cmd`]: `relayctl decode`: the table and JSON renderings of a decoded capture.
 
 pub mod capture;
+pub mod commit;
 pub mod config;
 pub mod config_file;
 pub mod ctl;

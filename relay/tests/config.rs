@@ -121,7 +121,7 @@ fn layered() -> Vec<Layered> {
         l!("metrics_listen" = "\"off\"" => "None", "KV_RELAY_METRICS_LISTEN" = "0.0.0.0:9465",
            "--metrics-listen" = "0.0.0.0:9466", default "Some(127.0.0.1:9464)", |c| format!("{:?}", c.metrics_listen)),
         l!("queue" = "16" => "16", "KV_RELAY_QUEUE" = "32", "--queue" = "64",
-           default "1024", |c| c.ingest.queue.to_string()),
+           default "256", |c| c.ingest.queue.to_string()),
         l!("replay_timeout_ms" = "1000" => "1s", "KV_RELAY_REPLAY_TIMEOUT_MS" = "1500",
            "--replay-timeout-ms" = "2500", default "2s", |c| format!("{:?}", c.ingest.replay_timeout)),
         l!("tail_probe_ms" = "1000" => "1s", "KV_RELAY_TAIL_PROBE_MS" = "4000",
@@ -138,6 +138,8 @@ fn layered() -> Vec<Layered> {
            "--server-max-subscribers" = "9", default "256", |c| c.server.max_subscribers.to_string()),
         l!("[server]\nmax_snapshots" = "1" => "1", "KV_RELAY_SERVER_MAX_SNAPSHOTS" = "2",
            "--server-max-snapshots" = "3", default "8", |c| c.server.max_snapshots.to_string()),
+        l!("[server]\nthreads" = "2" => "2", "KV_RELAY_SERVER_THREADS" = "3",
+           "--server-threads" = "4", default "1", |c| c.server.threads.to_string()),
     ]
 }
 
@@ -240,7 +242,7 @@ fn an_unknown_key_is_rejected_by_name() {
         e.why,
         format!(
             "{file}: unknown key `server.token` (known keys: tls_cert, tls_key, tls_client_ca, token_file, \
-             rate_per_second, rate_burst, max_subscribers, max_snapshots)"
+             rate_per_second, rate_burst, max_subscribers, max_snapshots, threads)"
         )
     );
     // Flags are not file keys of their own: the file cannot name another file.
@@ -311,6 +313,7 @@ fn each_bad_setting_names_itself() {
         ("[server]\nrate_burst = 0".into(), "server-rate-burst"),
         ("[server]\nmax_subscribers = 0".into(), "server-max-subscribers"),
         ("[server]\nmax_snapshots = 0".into(), "server-max-snapshots"),
+        ("[server]\nthreads = 0".into(), "server-threads"),
         ("server = 1".into(), "config"),
         ("this is not toml".into(), "config"),
     ];

@@ -100,7 +100,7 @@ impl Relay {
                 }
             }
         });
-        let ingest = Ingest::start(&cfg, zmq::Context::new(), &resume, tx).unwrap();
+        let ingest = Ingest::start(&cfg, zmq::Context::new(), &resume, |_| Box::new(tx.clone())).unwrap();
         Relay { ingest: Some(ingest), seen, collector: Some(collector) }
     }
 

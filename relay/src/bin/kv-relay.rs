@@ -44,7 +44,9 @@ fn main() -> ExitCode {
              MIMALLOC_PURGE_DELAY=0 and MIMALLOC_ARENA_EAGER_COMMIT=0 in the environment"
         );
     }
-    let rt = match tokio::runtime::Runtime::new() {
+    // The server's threads (`--server-threads`): the rank threads commit on their own, so one
+    // worker serves a quiet relay with one wakeup a batch; more workers wake each other.
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(cfg.server.threads).enable_all().build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("kv-relay: cannot start the runtime: {e}");

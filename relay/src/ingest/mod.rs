@@ -1,10 +1,12 @@
 //! The engine side: one SUB + DEALER pair per DP rank ([`rank`]), the engine's load
 //! ([`load`]), and per-rank endpoints ([`endpoint`]).
 //!
-//! Ingest hands [`IngestItem`]s to the committer through one bounded channel
-//! ([`IngestConfig::queue`] items). When the channel is full, the rank threads block, their SUB
-//! queues fill and the engine's PUB sockets drop at their high-water mark: those batches come
-//! back through gap refill. The ingest never drops a batch silently.
+//! Each rank's thread hands its [`IngestItem`]s, in order, to a [`Sink`] of its own. The relay's
+//! sink commits them on that same thread (`crate::commit`): what the thread decoded since its
+//! SUB socket last had nothing ready goes to the store as one group, at most
+//! [`IngestConfig::queue`] batches. While a commit waits (a full disk, a slow store) the thread
+//! reads nothing, its SUB queue fills and the engine's PUB socket drops at its high-water mark:
+//! those batches come back through gap refill. The ingest never drops a batch silently.
 
 pub mod endpoint;
 pub mod load;
@@ -12,6 +14,42 @@ mod metrics;
 pub mod rank;
 
 pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
+
+/// The sink is closed: the relay is stopping, or its store failed for good. The rank's thread
+/// stops.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closed;
+
+/// Where a rank's thread hands its items, in order. The relay's sink commits them on the rank's
+/// own thread (`crate::commit`); tests collect them through a channel.
+pub trait Sink: Send {
+    /// Takes one item. It may hold it until [`Sink::flush`], and may hand on what it holds (and
+    /// block until the store takes it) when it holds [`IngestConfig::queue`] batches.
+    fn put(&mut self, item: IngestItem) -> Result<(), Closed>;
+    /// Hands on everything held. The rank's thread calls it when its SUB socket has nothing
+    /// more ready, before it waits on the replay socket, and when it stops.
+    fn flush(&mut self) -> Result<(), Closed>;
+    /// Whether items are held.
+    fn holding(&self) -> bool;
+}
+
+/// A channel sink: each item is sent as it comes (blocking while the channel is full).
+impl Sink for mpsc::Sender<IngestItem> {
+    fn put(&mut self, item: IngestItem) -> Result<(), Closed> {
+        self.blocking_send(item).map_err(|_| Closed)
+    }
+
+    fn flush(&mut self) -> Result<(), Closed> {
+        if self.is_closed() {
+            return Err(Closed);
+        }
+        Ok(())
+    }
+
+    fn holding(&self) -> bool {
+        false
+    }
+}
 
 use crate::hashcheck::HashCheckConfig;
 use std::collections::BTreeMap;
@@ -44,7 +82,8 @@ pub struct IngestConfig {
     /// The largest message the SUB and DEALER sockets take, in bytes (`ZMQ_MAXMSGSIZE`): libzmq
     /// drops the connection of a peer that sends a larger one, before it is read into memory.
     pub max_message_bytes: u64,
-    /// Capacity of the channel to the committer (items).
+    /// The most batches a rank's thread holds before it commits them (one group commit); it
+    /// commits sooner, as soon as its socket has nothing more ready.
     pub queue: usize,
     /// The engine's hash settings when the relay checks its block hashes.
     pub hash_check: Option<Arc<HashCheckConfig>>,
@@ -61,7 +100,7 @@ impl Default for IngestConfig {
             tail_probe: Duration::from_secs(3),
             rcvhwm: 100_000,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
-            queue: 1024,
+            queue: 256,
             hash_check: None,
         }
     }
@@ -98,12 +137,13 @@ pub struct Ingest {
 }
 
 impl Ingest {
-    /// Starts a thread per rank. `resume` holds where the store left each rank.
+    /// Starts a thread per rank, each handing its items to the sink `sink_for(rank)` makes.
+    /// `resume` holds where the store left each rank.
     pub fn start(
         cfg: &IngestConfig,
         ctx: zmq::Context,
         resume: &BTreeMap<u32, Resume>,
-        out: mpsc::Sender<IngestItem>,
+        mut sink_for: impl FnMut(u32) -> Box<dyn Sink>,
     ) -> Result<Ingest, endpoint::EndpointError> {
         let stop = Arc::new(AtomicBool::new(false));
         let mut status = BTreeMap::new();
@@ -111,7 +151,8 @@ impl Ingest {
         for rc in cfg.ranks()? {
             let st = SharedRankStatus::default();
             status.insert(rc.dp_rank, st.clone());
-            let (ctx, out, stop, resume) = (ctx.clone(), out.clone(), stop.clone(), resume.get(&rc.dp_rank).copied());
+            let (ctx, out, stop, resume) =
+                (ctx.clone(), sink_for(rc.dp_rank), stop.clone(), resume.get(&rc.dp_rank).copied());
             let rank = rc.dp_rank;
             let t = std::thread::Builder::new()
                 .name(format!("ingest-rank-{rank}"))

@@ -27,11 +27,14 @@
 //!   is watched ([`Watched`]): a dropped SUB is read out and replaced, and a replay whose
 //!   connection drops keeps what came before the refused batch and asks again past it. The
 //!   refused batch alone is lost.
-//! * **Backpressure.** Items go out through a bounded channel; when it is full this thread blocks,
-//!   the SUB socket's queue fills, and the engine's PUB drops at its high-water mark: those
-//!   batches come back through the gap rule. Nothing is dropped silently here.
+//! * **Backpressure.** Items go to the rank's [`Sink`], which commits them on this thread: what
+//!   was decoded since the SUB socket last had nothing ready goes as one group. While a commit
+//!   waits, this thread reads nothing, the SUB socket's queue fills, and the engine's PUB drops
+//!   at its high-water mark: those batches come back through the gap rule. Nothing is dropped
+//!   silently here.
 
 use super::metrics as m;
+use super::{Closed, Sink};
 use crate::drops::Tally;
 use crate::hashcheck::{CheckCounts, HashCheckConfig, RankCheck};
 use crate::model::{Batch, Control, ControlKind};
@@ -40,9 +43,8 @@ use crate::wire::{self, ReplayReply};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
 
-/// What the ingest hands to the committer.
+/// What the ingest hands to its sink.
 #[derive(Debug, Clone, PartialEq)]
 pub enum IngestItem {
     /// A normalized batch.
@@ -160,8 +162,8 @@ impl std::fmt::Display for ReplayError {
     }
 }
 
-/// The channel closed: the relay is shutting down.
-struct Closed;
+/// Batches read from the replay socket, (seq, payload), in order.
+type Replayed = Vec<(u64, Vec<u8>)>;
 
 /// How a replay request's answer ended.
 enum Reply {
@@ -287,7 +289,7 @@ struct Rank {
     dealer: Option<Watched>,
     /// How the last replay fell short, and where: a hole it left is said to be lost that way.
     replay_short: Shortfall,
-    out: mpsc::Sender<IngestItem>,
+    out: Box<dyn Sink>,
     status: SharedRankStatus,
     normalizer: Normalizer,
     /// The block-hash check, when on.
@@ -348,12 +350,12 @@ const RECENT: usize = 16_384;
 /// engine's and the relay's threads may wait tens of milliseconds to run.
 pub const LIVE_FIRST: Duration = Duration::from_millis(250);
 
-/// Runs one rank until `stop` is set or the channel closes. Blocking: call on its own thread.
+/// Runs one rank until `stop` is set or its sink closes. Blocking: call on its own thread.
 pub fn run(
     cfg: RankConfig,
     ctx: zmq::Context,
     resume: Option<Resume>,
-    out: mpsc::Sender<IngestItem>,
+    out: Box<dyn Sink>,
     status: SharedRankStatus,
     stop: Arc<AtomicBool>,
 ) -> Result<(), zmq::Error> {
@@ -397,7 +399,8 @@ impl Rank {
         let mut last_probe = Instant::now();
         while !stop.load(Ordering::Relaxed) {
             let mut items = [sub.socket.as_poll_item(zmq::POLLIN), sub.monitor.as_poll_item(zmq::POLLIN)];
-            zmq::poll(&mut items, 100)?;
+            // While items are held, only look: they are committed as soon as nothing is ready.
+            zmq::poll(&mut items, if self.out.holding() { 0 } else { 100 })?;
             if items[0].is_readable() {
                 let frames = sub.socket.recv_multipart(0)?;
                 if self.on_live(&frames).is_err() {
@@ -412,6 +415,12 @@ impl Rank {
                 }
                 continue;
             }
+            if self.out.holding() {
+                if self.out.flush().is_err() {
+                    return Ok(());
+                }
+                continue;
+            }
             let quiet = self.last_live.elapsed() >= self.cfg.tail_probe;
             if quiet && last_probe.elapsed() >= self.cfg.tail_probe && self.cfg.replay_endpoint.is_some() {
                 last_probe = Instant::now();
@@ -420,6 +429,7 @@ impl Rank {
                 }
             }
         }
+        let _ = self.out.flush();
         Ok(())
     }
 
@@ -454,8 +464,8 @@ impl Rank {
         f(&mut self.status.lock().expect("rank status"));
     }
 
-    fn send(&self, item: IngestItem) -> Result<(), Closed> {
-        self.out.blocking_send(item).map_err(|_| Closed)
+    fn send(&mut self, item: IngestItem) -> Result<(), Closed> {
+        self.out.put(item)
     }
 
     fn control(&mut self, kind: ControlKind) -> Result<(), Closed> {
@@ -598,6 +608,8 @@ impl Rank {
 
     /// Refills `from .. upto` from the replay socket, applying what it holds in order.
     fn refill(&mut self, from: u64, upto: u64) -> Result<(), Closed> {
+        // What is held goes first: the replay may take up to `replay_timeout`.
+        self.out.flush()?;
         m::gap(self.rank());
         self.update(|s| s.gaps += 1);
         let mut got = Vec::new();
@@ -643,29 +655,32 @@ impl Rank {
     }
 
     fn prime(&mut self, resume: Option<Resume>) -> Result<(), Closed> {
-        match self.replay_from(resume) {
+        match self.replay_from(resume)? {
             Some(got) => self.prime_with(resume, got),
             None => Ok(()),
         }
     }
 
     /// What the replay socket holds from `resume`'s seq (from 0 without one); `None`, said in the
-    /// log, when it cannot be read.
-    fn replay_from(&mut self, resume: Option<Resume>) -> Option<Vec<(u64, Vec<u8>)>> {
-        self.cfg.replay_endpoint.as_ref()?;
+    /// log, when it cannot be read. What the sink holds is handed on first.
+    fn replay_from(&mut self, resume: Option<Resume>) -> Result<Option<Replayed>, Closed> {
+        if self.cfg.replay_endpoint.is_none() {
+            return Ok(None);
+        }
+        self.out.flush()?;
         let mut got = Vec::new();
-        match self.replay(resume.map_or(0, |r| r.last_seq), &mut got) {
+        Ok(match self.replay(resume.map_or(0, |r| r.last_seq), &mut got) {
             Ok(()) => Some(got),
             Err(e) => {
                 tracing::warn!(dp_rank = self.rank(), read = got.len(), error = %e, "reading the replay socket failed");
                 // What arrived before the failure is in order from the seq asked for.
                 (!got.is_empty()).then_some(got)
             }
-        }
+        })
     }
 
     /// The priming check over what the replay socket answered from `resume`'s seq.
-    fn prime_with(&mut self, resume: Option<Resume>, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
+    fn prime_with(&mut self, resume: Option<Resume>, got: Replayed) -> Result<(), Closed> {
         if let Some(r) = resume {
             match got.first() {
                 Some((seq, payload)) if *seq == r.last_seq && same_batch(payload, r) => {
@@ -684,13 +699,13 @@ impl Rank {
                 "publisher changed while the relay was not receiving (seq {} at ts {} is not in its replay buffer)",
                 r.last_seq, r.last_ts
             ))?;
-            let all = self.replay_from(None).unwrap_or_default();
+            let all = self.replay_from(None)?.unwrap_or_default();
             return self.apply_from_zero(all);
         }
         self.apply_from_zero(got)
     }
 
-    fn apply_from_zero(&mut self, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
+    fn apply_from_zero(&mut self, got: Replayed) -> Result<(), Closed> {
         if let Some((first, _)) = got.first() {
             if *first > 0 {
                 let first = *first;
@@ -706,7 +721,7 @@ impl Rank {
     }
 
     /// Applies replayed batches in order, with the gap and restart rules.
-    fn apply_replayed(&mut self, got: Vec<(u64, Vec<u8>)>) -> Result<(), Closed> {
+    fn apply_replayed(&mut self, got: Replayed) -> Result<(), Closed> {
         for (seq, payload) in got {
             match self.last {
                 Some((last, _)) if seq <= last => continue,
@@ -730,7 +745,7 @@ impl Rank {
     fn probe_tail(&mut self, sub: &zmq::Socket) -> Result<(), Closed> {
         self.update(|s| s.tail_probes += 1);
         let resume = self.last.map(|(last_seq, last_ts)| Resume { last_seq, last_ts });
-        let Some(got) = self.replay_from(resume) else { return Ok(()) };
+        let Some(got) = self.replay_from(resume)? else { return Ok(()) };
         let more = match resume {
             Some(r) => {
                 got.len() > 1 && got.first().is_some_and(|(seq, payload)| *seq == r.last_seq && same_batch(payload, r))
@@ -796,7 +811,7 @@ impl Rank {
     /// batches before it and asks again from the seq after it, at most [`MAX_CUTS`] times: the
     /// batch it could not take is a hole, which the caller's gap rule counts as lost, and the
     /// batches after it are still refilled.
-    fn replay(&mut self, from: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<(), ReplayError> {
+    fn replay(&mut self, from: u64, out: &mut Replayed) -> Result<(), ReplayError> {
         self.replay_short = Shortfall::default();
         let mut ask = from;
         let mut cuts = 0;
@@ -840,7 +855,7 @@ impl Rank {
     }
 
     /// One replay request from `ask`: its batches are appended to `out`.
-    fn replay_once(&mut self, ask: u64, out: &mut Vec<(u64, Vec<u8>)>) -> Result<Reply, ReplayError> {
+    fn replay_once(&mut self, ask: u64, out: &mut Replayed) -> Result<Reply, ReplayError> {
         let Some(endpoint) = self.cfg.replay_endpoint.clone() else {
             return Err(ReplayError::NoEndpoint);
         };
@@ -852,7 +867,7 @@ impl Rank {
         let d = self.dealer.as_ref().expect("dealer");
         d.forget_drops();
         d.socket.send_multipart([&b""[..], &ask.to_be_bytes()[..]], 0).map_err(ReplayError::Zmq)?;
-        let take = |frames: Vec<Vec<u8>>, out: &mut Vec<(u64, Vec<u8>)>| {
+        let take = |frames: Vec<Vec<u8>>, out: &mut Replayed| {
             let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
             match wire::split_replay(&refs) {
                 Ok(ReplayReply::End) => true,

@@ -28,7 +28,7 @@ use std::path::Path;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
-use stream::{Outgoing, Start, Subscriber};
+use stream::{Driven, Outgoing, Start, Subscriber};
 use tokio::sync::{broadcast, mpsc, watch, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
@@ -85,6 +85,9 @@ pub struct ServerConfig {
     /// Snapshots being sent at once (Snapshot RPCs, and Subscribe streams starting with one): a
     /// Snapshot RPC beyond it gets `RESOURCE_EXHAUSTED`, a Subscribe waits its turn.
     pub max_snapshots: usize,
+    /// Threads of the runtime the binary runs the server on (its tokio workers); [`serve`] runs
+    /// on whatever runtime calls it.
+    pub threads: usize,
     /// HTTP/2 concurrent streams per connection.
     pub max_streams_per_connection: u32,
     /// The largest request message decoded, bytes.
@@ -114,6 +117,7 @@ impl Default for ServerConfig {
             rate_burst: 20,
             max_subscribers: 256,
             max_snapshots: 8,
+            threads: 1,
             max_streams_per_connection: 64,
             max_request_bytes: 64 << 10,
             max_response_bytes: 16 << 20,
@@ -286,10 +290,10 @@ impl Relay for RelayService {
             snapshot_slots: self.snapshot_slots.clone(),
             _permit: permit,
         };
-        tokio::spawn(sub.run(tx));
-        // Queued records are shared with the store's tail: each becomes a message of its own only
-        // when the connection takes it, so a full queue holds no copies.
-        let messages = tokio_stream::StreamExt::map(ReceiverStream::new(rx), |r| r.map(Outgoing::into_message));
+        // The connection's task runs the producer (`Driven`). Queued records are shared with the
+        // store's tail: each becomes a message of its own only when the connection takes it, so
+        // a full queue holds no copies.
+        let messages = tokio_stream::StreamExt::map(Driven::new(sub.run(tx), rx), |r| r.map(Outgoing::into_message));
         Ok(Response::new(self.until_shutdown(messages)))
     }
 

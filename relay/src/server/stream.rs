@@ -1,6 +1,8 @@
-//! The producers behind the server streams: one task per open stream, reading the store and
-//! sending through a bounded channel (the tonic pattern: stop when `send` fails, the client went
-//! away).
+//! The producers behind the server streams, each reading the store and sending through a bounded
+//! channel. A History or Snapshot producer is a task of its own (the tonic pattern: stop when
+//! `send` fails, the client went away). A Subscribe producer is run by its response stream
+//! ([`Driven`]), on the connection's task: a commit then wakes one task, not two, and the
+//! producer goes when the stream goes.
 //!
 //! # Reads
 //! A subscriber reads the history from the store, a page at a time, at its own pace. The newest
@@ -156,6 +158,50 @@ impl Outgoing {
                 SubscribeOut::Encoded(c.subscribe_encoded(|r| SubscribeOut::encode(&record_to_pb(r).into_subscribe())))
             }
             Outgoing::Message(m) => SubscribeOut::Message(m),
+        }
+    }
+}
+
+/// A Subscribe response stream that runs its own producer: the producer is polled by the task
+/// that polls the stream (the connection's), so a commit wakes that one task, which reads the
+/// record and sends it, rather than a producer task that then wakes the sender. Every item the
+/// producer queues is queued while this stream polls it, so the queue is read without a waker
+/// of its own. When the stream is dropped (the client went away), so is its producer.
+pub(crate) struct Driven<F> {
+    producer: Option<std::pin::Pin<Box<F>>>,
+    rx: mpsc::Receiver<Result<Outgoing, Status>>,
+}
+
+impl<F: std::future::Future<Output = ()>> Driven<F> {
+    /// `producer` sends into the channel whose receiver is `rx`.
+    pub(crate) fn new(producer: F, rx: mpsc::Receiver<Result<Outgoing, Status>>) -> Self {
+        Driven { producer: Some(Box::pin(producer)), rx }
+    }
+}
+
+impl<F: std::future::Future<Output = ()>> tokio_stream::Stream for Driven<F> {
+    type Item = Result<Outgoing, Status>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            if let Ok(item) = this.rx.try_recv() {
+                return Poll::Ready(Some(item));
+            }
+            let Some(producer) = this.producer.as_mut() else { return Poll::Ready(None) };
+            if producer.as_mut().poll(cx).is_ready() {
+                // Done: what it queued is still to be read.
+                this.producer = None;
+                continue;
+            }
+            return match this.rx.try_recv() {
+                Ok(item) => Poll::Ready(Some(item)),
+                Err(_) => Poll::Pending,
+            };
         }
     }
 }
