@@ -27,6 +27,8 @@
 //! `KV_RELAY_BENCH_WINDOW_MS` (one latency window, default 5,000; longer to profile the relay),
 //! `KV_RELAY_BENCH_RATES` (the latency windows' batches/s, comma-separated, instead of issue 28's
 //! and the searched ones),
+//! `KV_RELAY_BENCH_SHAPE` (`prefill` or `page1`: one shape's rows only) and `KV_RELAY_BENCH_SUBS`
+//! (`1` or `8`: those rows only), to look at one shape row,
 //! `KV_RELAY_BENCH_STEP_MS` (length of one ingest step), `KV_RELAY_MOONCAKE` (the trace; default
 //! `testdata/mooncake/conversation_trace.jsonl`),
 //! `KV_RELAY_BENCH_ONLY` (comma list of parts: `ingest` the Mooncake ingest search; `publisher`
@@ -73,6 +75,10 @@ struct Opts {
     latency_window: Duration,
     /// The latency windows' rates instead of issue 28's and the searched ones (no search).
     rates: Option<Vec<f64>>,
+    /// Only this shape's rows (`KV_RELAY_BENCH_SHAPE`).
+    shape: Option<String>,
+    /// Only the rows with this many subscribers (`KV_RELAY_BENCH_SUBS`).
+    subs: Option<usize>,
     dir: PathBuf,
     trace: PathBuf,
     only: Vec<String>,
@@ -101,6 +107,8 @@ impl Opts {
                     .map(|r| r.trim().parse().expect("KV_RELAY_BENCH_RATES: batches/s, comma-separated"))
                     .collect()
             }),
+            shape: std::env::var("KV_RELAY_BENCH_SHAPE").ok(),
+            subs: std::env::var("KV_RELAY_BENCH_SUBS").ok().map(|v| v.parse().expect("KV_RELAY_BENCH_SUBS: 1 or 8")),
             dir: std::env::var("KV_RELAY_BENCH_DIR").map(PathBuf::from).unwrap_or_else(|_| std::env::temp_dir()),
             trace,
             only: std::env::var("KV_RELAY_BENCH_ONLY")
@@ -344,6 +352,14 @@ impl Shape {
         match self {
             Shape::Prefill => "vLLM prefill, 64-128-block store + removal a batch",
             Shape::Page1 => "SGLang page size 1, 128 + 128 one-block events a batch",
+        }
+    }
+
+    /// Its name for `KV_RELAY_BENCH_SHAPE`.
+    fn key(self) -> &'static str {
+        match self {
+            Shape::Prefill => "prefill",
+            Shape::Page1 => "page1",
         }
     }
 
@@ -1292,7 +1308,7 @@ impl Table {
 /// What the pre-encoded publisher offers alone, then the ingest search on each shape with 1 and 8
 /// subscribers (the relay on core 0, this process on core 1; unpinned in quick mode).
 fn shapes(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
-    for shape in Shape::ALL {
+    for shape in Shape::ALL.into_iter().filter(|s| opts.shape.as_deref().is_none_or(|k| k == s.key())) {
         let c = Cycle::new(shape, DP, cycle_geometry(opts));
         println!(
             "shape {}: {:.1} block ops and {:.0} bytes a batch, {} live blocks (2 ranks)",
@@ -1329,7 +1345,7 @@ fn shapes(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
             continue;
         }
         let cores = if opts.quick { None } else { Some("0") };
-        for nsubs in [1usize, 8] {
+        for nsubs in [1usize, 8].into_iter().filter(|n| opts.subs.is_none_or(|k| k == *n)) {
             let label = format!(
                 "sustained ingest, {}, {}, {}",
                 shape.short(),
