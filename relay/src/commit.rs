@@ -40,9 +40,9 @@ const LAG_WINDOW: Duration = Duration::from_secs(2);
 /// store's failure (set once, by the first rank that gives up on it).
 #[derive(Clone)]
 pub struct Commits {
-    pub store: Store,
-    pub loads: Arc<RwLock<Loads>>,
-    pub status: RelayStatusHandle,
+    store: Store,
+    loads: Arc<RwLock<Loads>>,
+    status: RelayStatusHandle,
     failed: Arc<Failure>,
 }
 

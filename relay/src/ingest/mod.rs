@@ -15,6 +15,14 @@ pub mod rank;
 
 pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
+use crate::hashcheck::HashCheckConfig;
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tokio::sync::mpsc;
+
 /// The sink is closed: the relay is stopping, or its store failed for good. The rank's thread
 /// stops.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,14 +58,6 @@ impl Sink for mpsc::Sender<IngestItem> {
         false
     }
 }
-
-use crate::hashcheck::HashCheckConfig;
-use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::thread::JoinHandle;
-use std::time::Duration;
-use tokio::sync::mpsc;
 
 /// The default bound on one engine message: far above any batch an engine sends (a step that
 /// stores 128k new tokens, with their token ids, is under 1 MiB; engines' chunked prefill
