@@ -55,6 +55,7 @@ use std::time::{Duration, Instant};
 use kv_relay::store::HistoryLimits;
 use kv_relay_testkit::drills::harness::{metric, status, wait_until, SHIPPED_ENV};
 use kv_relay_testkit::fleet::{serve_store, Fleet, FleetOptions, StreamConfig};
+use kv_relay_testkit::pace::Pace;
 use kv_router_client::discovery::{Discovery, Lookup, Resolver};
 use kv_router_client::{FollowConfig, Follower};
 use serde_json::Value;
@@ -252,13 +253,10 @@ fn spawn_matcher(
         while !go.load(Ordering::Relaxed) && !stop.load(Ordering::Relaxed) {
             std::thread::sleep(Duration::from_millis(10));
         }
-        let begin = Instant::now();
+        let pace = Pace::new(rate);
         let mut k = 0u64;
         while !stop.load(Ordering::Relaxed) {
-            let due = begin + Duration::from_secs_f64(k as f64 / rate);
-            if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
+            pace.wait(k);
             // 512 live blocks of one relay.
             let (relay, first) = {
                 let w = windows.lock().expect("windows");

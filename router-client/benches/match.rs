@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use kv_relay::model::{Batch, Block, Event, Load, RecordBody, Stored, Tier};
 use kv_relay::store::{Store, StoreConfig};
 use kv_relay_testkit::fleet::serve_store;
+use kv_relay_testkit::pace::Pace;
 use kv_router_client::http::{answer_match, MatchRequest};
 use kv_router_client::{FollowConfig, Follower, Match, WorkerState};
 use serde::Serialize;
@@ -268,13 +269,10 @@ fn main() {
     let stream = {
         let (stop, mut relays, rate) = (stop.clone(), relays, opts.rate * workers as f64);
         std::thread::spawn(move || {
-            let begin = Instant::now();
+            let pace = Pace::new(rate);
             let mut k = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                let due = begin + Duration::from_secs_f64(k as f64 / rate);
-                if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(wait);
-                }
+                pace.wait(k);
                 let g = k as usize % workers;
                 let ranks = relays[0].seq.len();
                 relays[g / ranks].commit(g % ranks, Vec::new(), (k % 64) as f64);

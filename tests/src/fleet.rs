@@ -405,10 +405,10 @@ impl Drop for Stream {
 /// after the start (so a stream that fell behind catches up as fast as it can, never bursts
 /// beyond that).
 fn stream_records(writers: &[Arc<Mutex<Writer>>], cfg: StreamConfig, stop: &AtomicBool, records: &AtomicU64) {
-    let start = Instant::now();
+    let pace = crate::pace::Pace::new(cfg.records_per_second.max(1e-9));
     let mut k = 0u64;
     while !stop.load(Ordering::Relaxed) && cfg.limit.is_none_or(|l| k < l) && !writers.is_empty() {
-        let due = start + Duration::from_secs_f64(k as f64 / cfg.records_per_second.max(1e-9));
+        let due = pace.due(k);
         let now = Instant::now();
         if due > now {
             std::thread::sleep((due - now).min(Duration::from_millis(50)));

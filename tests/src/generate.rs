@@ -36,7 +36,7 @@ pub fn generate(
     stop: &AtomicBool,
 ) -> Result<u64, EngineError> {
     let mut rng = Rng::new(opts.seed ^ 0x005e_ed0f_7ea1);
-    let start = Instant::now();
+    let pace = opts.rate.filter(|r| *r > 0.0).map(crate::pace::Pace::new);
     let mut served = 0u64;
     let dp = engine.dp_size();
     loop {
@@ -46,8 +46,8 @@ pub fn generate(
         if !engine.wait_unpaused(Duration::from_millis(100)) {
             continue;
         }
-        if let Some(rate) = opts.rate.filter(|r| *r > 0.0) {
-            let due = start + Duration::from_secs_f64(served as f64 / rate);
+        if let Some(pace) = &pace {
+            let due = pace.due(served);
             let now = Instant::now();
             if due > now {
                 // Sleep in slices so `stop` and `pause` are noticed.

@@ -20,6 +20,7 @@
 //! - [`traffic`]: the per-rank prefix cache simulator and request sources (random, Mooncake).
 //! - [`hashing`]: engine-style block hashes (vLLM `sha256_cbor`, SGLang chained SHA-256).
 //! - [`metrics`]: the `/metrics` endpoint with the engines' load gauges.
+//! - [`pace`]: a paced loop's due times (event k at k / rate seconds).
 //! - [`client`]: SUB / DEALER helpers and free-port finding for loopback tests.
 //! - [`drills`]: the end-to-end fault drills (mock engine, `kv-relay` processes, subscribers).
 
@@ -33,6 +34,7 @@ pub mod fleet;
 pub mod generate;
 pub mod hashing;
 pub mod metrics;
+pub mod pace;
 pub mod publisher;
 pub mod traffic;
 pub mod truth;

@@ -88,10 +88,10 @@ impl Traffic {
             std::thread::spawn(move || {
                 let mut src = RandomSource::new(seed, 4, 24);
                 let dp = e.dp_size();
-                let start = Instant::now();
+                let pace = crate::pace::Pace::new(f64::from(rate.max(1)));
                 let mut n = 0u64;
                 while !stop.load(Ordering::SeqCst) {
-                    let due = start + Duration::from_secs_f64(n as f64 / f64::from(rate.max(1)));
+                    let due = pace.due(n);
                     let now = Instant::now();
                     if due > now {
                         std::thread::sleep((due - now).min(Duration::from_millis(50)));
