@@ -44,6 +44,9 @@ pub struct Commits {
     loads: Arc<RwLock<Loads>>,
     status: RelayStatusHandle,
     failed: Arc<Failure>,
+    /// Set when the relay stops: a commit the store refuses is given up instead of retried
+    /// ([`Commits::stop_retrying`]).
+    stopping: Arc<AtomicBool>,
 }
 
 /// The store failed for good: the error, and a watch the daemon waits on to stop.
@@ -57,7 +60,15 @@ impl Commits {
     pub fn new(store: Store, loads: Arc<RwLock<Loads>>, status: RelayStatusHandle) -> Commits {
         let failed =
             Failure { set: AtomicBool::new(false), error: Mutex::default(), tx: tokio::sync::watch::channel(false).0 };
-        Commits { store, loads, status, failed: Arc::new(failed) }
+        Commits { store, loads, status, failed: Arc::new(failed), stopping: Arc::default() }
+    }
+
+    /// The relay is stopping: a commit the store refuses (a full disk) is no longer retried,
+    /// so that the ranks' threads stop. Its records were never served, and the store's cursors
+    /// do not include them: the engine's replay refills them at the next start, as after a
+    /// crash.
+    pub fn stop_retrying(&self) {
+        self.stopping.store(true, Ordering::Release);
     }
 
     /// Becomes `true` when the store failed for good.
@@ -151,9 +162,26 @@ impl Sink for RankCommitter {
                     if self.commits.failed.set.load(Ordering::Acquire) {
                         return Err(Closed);
                     }
-                    // Keep the records and retry: the rank's SUB queue backs up onto the engine.
+                    if self.stopping() {
+                        tracing::warn!(
+                            error = %e,
+                            records,
+                            "stopping with a group the store refused: the engine's replay refills it at the next start"
+                        );
+                        self.group.clear();
+                        self.batches.clear();
+                        return Err(Closed);
+                    }
+                    // Keep the records and retry: the rank's socket backs up onto the engine.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
-                    std::thread::sleep(backoff);
+                    let until = Instant::now() + backoff;
+                    while !self.stopping() {
+                        let left = until.saturating_duration_since(Instant::now());
+                        if left.is_zero() {
+                            break;
+                        }
+                        std::thread::sleep(left.min(RETRY_LOOK));
+                    }
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
@@ -173,6 +201,15 @@ impl Sink for RankCommitter {
         !self.group.is_empty()
     }
 }
+
+impl RankCommitter {
+    fn stopping(&self) -> bool {
+        self.commits.stopping.load(Ordering::Acquire)
+    }
+}
+
+/// How often a commit waiting to be retried looks whether the relay is stopping.
+const RETRY_LOOK: Duration = Duration::from_millis(50);
 
 fn now_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)

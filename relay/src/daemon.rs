@@ -137,7 +137,9 @@ pub async fn run(
     for t in tasks {
         let _ = t.await;
     }
-    // The rank threads commit what they hold and stop.
+    // The rank threads commit what they hold and stop (a commit the store refuses, on a full
+    // disk, is given up rather than retried: the engine's replay refills it at the next start).
+    commits.stop_retrying();
     tokio::task::spawn_blocking(move || ingest.stop()).await.ok();
     if let Err(e) = store.flush() {
         tracing::error!(error = %e, "flushing the store at shutdown");

@@ -323,6 +323,25 @@ impl RelayProc {
         self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 
+    /// SIGTERM (with `kill`, as systemd stops the unit), then up to `within` for the process to
+    /// exit: how long it took, or `None` (it is then killed).
+    pub fn terminate(&mut self, within: Duration) -> Option<Duration> {
+        let mut c = self.child.take()?;
+        let t0 = Instant::now();
+        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        loop {
+            if let Ok(Some(_)) = c.try_wait() {
+                return Some(t0.elapsed());
+            }
+            if t0.elapsed() >= within {
+                let _ = c.kill();
+                let _ = c.wait();
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// SIGKILL (std's `Child::kill` on Unix) and reap.
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
