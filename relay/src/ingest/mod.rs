@@ -1,19 +1,17 @@
-//! The engine side: one SUB + DEALER pair per DP rank ([`rank`]; the SUB is the relay's own for
-//! `tcp://` and `ipc://` endpoints, [`zmtp`]), the engine's load ([`load`]), and per-rank
-//! endpoints ([`endpoint`]).
+//! The engine side: one SUB + DEALER pair per DP rank ([`rank`]), the engine's load
+//! ([`load`]), and per-rank endpoints ([`endpoint`]).
 //!
 //! Each rank's thread hands its [`IngestItem`]s, in order, to a [`Sink`] of its own. The relay's
 //! sink commits them on that same thread (`crate::commit`): what the thread decoded since its
 //! SUB socket last had nothing ready goes to the store as one group, at most
 //! [`IngestConfig::queue`] batches. While a commit waits (a full disk, a slow store) the thread
-//! reads nothing, its socket's buffers fill and the engine's PUB socket drops at its high-water mark:
+//! reads nothing, its SUB queue fills and the engine's PUB socket drops at its high-water mark:
 //! those batches come back through gap refill. The ingest never drops a batch silently.
 
 pub mod endpoint;
 pub mod load;
 mod metrics;
 pub mod rank;
-pub mod zmtp;
 
 pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
@@ -81,8 +79,8 @@ pub struct IngestConfig {
     pub replay_timeout: Duration,
     pub tail_probe: Duration,
     pub rcvhwm: i32,
-    /// The largest message frame the SUB and DEALER sockets take, in bytes (`ZMQ_MAXMSGSIZE` for
-    /// libzmq's): a larger one drops the connection before it is read into memory.
+    /// The largest message the SUB and DEALER sockets take, in bytes (`ZMQ_MAXMSGSIZE`): libzmq
+    /// drops the connection of a peer that sends a larger one, before it is read into memory.
     pub max_message_bytes: u64,
     /// The most batches a rank's thread holds before it commits them (one group commit); it
     /// commits sooner, as soon as its socket has nothing more ready.

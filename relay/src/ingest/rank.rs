@@ -1,6 +1,5 @@
-//! One DP rank's ingest: a subscription to the rank's PUB endpoint ([`Live`]: read on this
-//! thread by the relay's own SUB, `super::zmtp`, or through libzmq for `inproc://`) and a DEALER
-//! to its replay ROUTER, run on a thread of its own (the sockets are blocking).
+//! One DP rank's ingest: a SUB socket on the rank's PUB endpoint and a DEALER to its replay
+//! ROUTER, run on a thread of its own (ZeroMQ sockets are blocking).
 //!
 //! The rules (also in `docs/architecture.md`, "Ingest"):
 //! * **Order.** Batches are handed on in engine `seq` order with no hole: the next batch of a
@@ -23,19 +22,18 @@
 //!   the SUB socket (this thread was not reading it while it asked): the live socket gets the
 //!   first claim for [`LIVE_FIRST`], and only what it does not deliver is a lost tail, refilled
 //!   and counted as a gap.
-//! * **Message bound.** Both sockets take messages up to `max_message_bytes`. A larger frame
-//!   drops the connection. The relay's SUB connects again by itself; libzmq does not, so its
-//!   sockets are watched ([`Watched`]): a dropped libzmq SUB is read out and replaced, and a
-//!   replay whose connection drops keeps what came before the refused batch and asks again past
-//!   it. The refused batch alone is lost.
+//! * **Message bound.** Both sockets take messages up to `max_message_bytes`. libzmq drops the
+//!   connection of a peer that sends a larger one and does not connect it again, so each socket
+//!   is watched ([`Watched`]): a dropped SUB is read out and replaced, and a replay whose
+//!   connection drops keeps what came before the refused batch and asks again past it. The
+//!   refused batch alone is lost.
 //! * **Backpressure.** Items go to the rank's [`Sink`], which commits them on this thread: what
 //!   was decoded since the SUB socket last had nothing ready goes as one group. While a commit
-//!   waits, this thread reads nothing, the socket's buffers fill, and the engine's PUB drops at
-//!   its high-water mark: those batches come back through the gap rule. Nothing is dropped
+//!   waits, this thread reads nothing, the SUB socket's queue fills, and the engine's PUB drops
+//!   at its high-water mark: those batches come back through the gap rule. Nothing is dropped
 //!   silently here.
 
 use super::metrics as m;
-use super::zmtp;
 use super::{Closed, Sink};
 use crate::drops::Tally;
 use crate::hashcheck::{CheckCounts, HashCheckConfig, RankCheck};
@@ -81,7 +79,7 @@ pub struct RankConfig {
     /// How long a rank must be quiet before its replay socket is probed for a lost tail, and the
     /// least time between two probes.
     pub tail_probe: Duration,
-    /// The receive high-water mark (messages) of a libzmq SUB socket (an `inproc://` endpoint).
+    /// The SUB socket's receive high-water mark (messages).
     pub rcvhwm: i32,
     /// The largest message the SUB and DEALER sockets take (see [`super::IngestConfig`]).
     pub max_message_bytes: u64,
@@ -275,7 +273,7 @@ impl Watched {
     }
 }
 
-/// The rank's SUB socket on the engine's PUB endpoint, libzmq's (see [`Live`]).
+/// The rank's SUB socket on the engine's PUB endpoint.
 fn open_sub(ctx: &zmq::Context, cfg: &RankConfig) -> Result<Watched, zmq::Error> {
     Watched::open(ctx, zmq::SUB, &cfg.pub_endpoint, cfg.max_message_bytes, |sub| {
         sub.set_rcvhwm(cfg.rcvhwm)?;
@@ -283,55 +281,6 @@ fn open_sub(ctx: &zmq::Context, cfg: &RankConfig) -> Result<Watched, zmq::Error>
         sub.set_reconnect_ivl_max(2000)?;
         sub.set_subscribe(cfg.topic.as_bytes())
     })
-}
-
-/// The rank's subscription to the engine's PUB socket: read on this thread ([`zmtp`]) for
-/// `tcp://` and `ipc://` endpoints, through libzmq for the others (`inproc://`, which only
-/// libzmq's own sockets in the same process can reach).
-enum Live {
-    Own(zmtp::Sub),
-    Zmq {
-        sub: Watched,
-        /// The message last received, which [`Got::Message`] borrows.
-        held: Vec<Vec<u8>>,
-    },
-}
-
-/// What [`Live::next`] found.
-enum Got<'a> {
-    Message(Vec<&'a [u8]>),
-    /// The connection dropped (why, when known).
-    Dropped(Option<String>),
-    Idle,
-}
-
-impl Live {
-    fn open(ctx: &zmq::Context, cfg: &RankConfig) -> Result<Live, zmq::Error> {
-        match zmtp::Sub::open(&cfg.pub_endpoint, cfg.topic.as_bytes(), cfg.max_message_bytes) {
-            Some(s) => Ok(Live::Own(s)),
-            None => Ok(Live::Zmq { sub: open_sub(ctx, cfg)?, held: Vec::new() }),
-        }
-    }
-
-    /// The next message within `timeout` (zero: only look), or the news of a drop.
-    fn next(&mut self, timeout: Duration) -> Result<Got<'_>, zmq::Error> {
-        match self {
-            Live::Own(s) => Ok(match s.next(timeout) {
-                zmtp::Next::Message(frames) => Got::Message(frames),
-                zmtp::Next::Dropped(why) => Got::Dropped(Some(why)),
-                zmtp::Next::Idle => Got::Idle,
-            }),
-            Live::Zmq { sub, held } => {
-                let mut items = [sub.socket.as_poll_item(zmq::POLLIN), sub.monitor.as_poll_item(zmq::POLLIN)];
-                zmq::poll(&mut items, timeout.as_millis() as i64)?;
-                if items[0].is_readable() {
-                    *held = sub.socket.recv_multipart(0)?;
-                    return Ok(Got::Message(held.iter().map(Vec::as_slice).collect()));
-                }
-                Ok(if items[1].is_readable() { Got::Dropped(None) } else { Got::Idle })
-            }
-        }
-    }
 }
 
 struct Rank {
@@ -410,9 +359,9 @@ pub fn run(
     status: SharedRankStatus,
     stop: Arc<AtomicBool>,
 ) -> Result<(), zmq::Error> {
-    // A message over `max_message_bytes` drops the connection (without a bound it would be read
-    // into memory whatever its size): the batch comes back as a gap.
-    let sub = Live::open(&ctx, &cfg)?;
+    // A message over `max_message_bytes` drops the connection (without a bound libzmq would read
+    // any size into memory): the socket is replaced, and the batch comes back as a gap.
+    let sub = open_sub(&ctx, &cfg)?;
     let check = cfg.hash_check.clone().map(RankCheck::new);
     let check_on = check.is_some();
     let mut r = Rank {
@@ -443,28 +392,28 @@ pub fn run(
 }
 
 impl Rank {
-    fn main_loop(&mut self, mut sub: Live, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
+    fn main_loop(&mut self, mut sub: Watched, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
         if self.prime(resume).is_err() {
             return Ok(());
         }
         let mut last_probe = Instant::now();
         while !stop.load(Ordering::Relaxed) {
+            let mut items = [sub.socket.as_poll_item(zmq::POLLIN), sub.monitor.as_poll_item(zmq::POLLIN)];
             // While items are held, only look: they are committed as soon as nothing is ready.
-            let wait = if self.out.holding() { Duration::ZERO } else { Duration::from_millis(100) };
-            match sub.next(wait)? {
-                Got::Message(frames) => {
-                    if self.on_live(&frames).is_err() {
-                        return Ok(());
-                    }
-                    continue;
+            zmq::poll(&mut items, if self.out.holding() { 0 } else { 100 })?;
+            if items[0].is_readable() {
+                let frames = sub.socket.recv_multipart(0)?;
+                if self.on_live(&frames).is_err() {
+                    return Ok(());
                 }
-                Got::Dropped(why) => {
-                    if self.on_drop(&mut sub, why)? {
-                        return Ok(());
-                    }
-                    continue;
+                continue;
+            }
+            if items[1].is_readable() {
+                match self.on_drop(sub)? {
+                    Some(s) => sub = s,
+                    None => return Ok(()),
                 }
-                Got::Idle => {}
+                continue;
             }
             if self.out.holding() {
                 if self.out.flush().is_err() {
@@ -475,7 +424,7 @@ impl Rank {
             let quiet = self.last_live.elapsed() >= self.cfg.tail_probe;
             if quiet && last_probe.elapsed() >= self.cfg.tail_probe && self.cfg.replay_endpoint.is_some() {
                 last_probe = Instant::now();
-                if self.probe_tail(&mut sub).is_err() {
+                if self.probe_tail(&sub.socket).is_err() {
                     return Ok(());
                 }
             }
@@ -485,10 +434,10 @@ impl Rank {
     }
 
     /// The SUB's connection dropped: an engine restart, a network fault, or a message over
-    /// `max_message_bytes`. Ours connects again by itself; a libzmq socket would not after a
-    /// message over the bound, so what it still holds is handed on and a new socket replaces it.
-    /// What the engine sent meanwhile comes back as a gap. `true` when the sink closed.
-    fn on_drop(&mut self, live: &mut Live, why: Option<String>) -> Result<bool, zmq::Error> {
+    /// `max_message_bytes`, after which libzmq would not connect again. What the old socket
+    /// still holds is handed on, and a new socket replaces it; what the engine sent meanwhile
+    /// comes back as a gap. `None` when the channel closed.
+    fn on_drop(&mut self, sub: Watched) -> Result<Option<Watched>, zmq::Error> {
         m::disconnect(self.rank());
         self.update(|s| s.disconnects += 1);
         if let Some(held_back) = self.drop_warn.pass(Instant::now()) {
@@ -496,21 +445,15 @@ impl Rank {
                 dp_rank = self.rank(),
                 endpoint = %self.cfg.pub_endpoint,
                 max_message_bytes = self.cfg.max_message_bytes,
-                why = why.as_deref().unwrap_or("an engine restart, or a message over max_message_bytes"),
                 held_back,
-                "the engine's PUB connection dropped: connecting again"
+                "the engine's PUB connection dropped (an engine restart, or a message over max_message_bytes): connecting again"
             );
         }
-        if let Live::Zmq { sub, .. } = live {
-            if sub.settle(|frames| {
-                let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
-                self.on_live(&refs).is_err()
-            })? {
-                return Ok(true);
-            }
-            *sub = open_sub(&self.ctx, &self.cfg)?;
+        if sub.settle(|frames| self.on_live(&frames).is_err())? {
+            return Ok(None);
         }
-        Ok(false)
+        drop(sub);
+        open_sub(&self.ctx, &self.cfg).map(Some)
     }
 
     fn rank(&self) -> u32 {
@@ -624,9 +567,10 @@ impl Rank {
         Ok(())
     }
 
-    fn on_live(&mut self, frames: &[&[u8]]) -> Result<(), Closed> {
+    fn on_live(&mut self, frames: &[Vec<u8>]) -> Result<(), Closed> {
         self.last_live = Instant::now();
-        let f = match wire::split_pub(frames) {
+        let refs: Vec<&[u8]> = frames.iter().map(Vec::as_slice).collect();
+        let f = match wire::split_pub(&refs) {
             Ok(f) => f,
             Err(e) => {
                 m::message_error(self.rank(), e.as_str());
@@ -798,7 +742,7 @@ impl Rank {
     /// Batches past the last one, from the same publisher, may be on their way on the SUB socket:
     /// it is read first, for up to [`LIVE_FIRST`], and the replay refills only what it did not
     /// deliver.
-    fn probe_tail(&mut self, sub: &mut Live) -> Result<(), Closed> {
+    fn probe_tail(&mut self, sub: &zmq::Socket) -> Result<(), Closed> {
         self.update(|s| s.tail_probes += 1);
         let resume = self.last.map(|(last_seq, last_ts)| Resume { last_seq, last_ts });
         let Some(got) = self.replay_from(resume)? else { return Ok(()) };
@@ -839,21 +783,20 @@ impl Rank {
 
     /// Hands on what the SUB socket delivers until the rank's last seq reaches `newest` or
     /// [`LIVE_FIRST`] has passed. A socket error ends the wait; the main loop meets it again.
-    fn live_first(&mut self, sub: &mut Live, newest: u64) -> Result<(), Closed> {
+    fn live_first(&mut self, sub: &zmq::Socket, newest: u64) -> Result<(), Closed> {
         let deadline = Instant::now() + LIVE_FIRST;
         while self.last.is_none_or(|(last, _)| last < newest) {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
                 break;
             }
-            match sub.next(left.max(Duration::from_millis(1))) {
-                Ok(Got::Message(frames)) => self.on_live(&frames)?,
-                Ok(Got::Dropped(why)) => match self.on_drop(sub, why) {
-                    Ok(false) => {}
-                    Ok(true) => return Err(Closed),
+            let mut items = [sub.as_poll_item(zmq::POLLIN)];
+            match zmq::poll(&mut items, left.as_millis().max(1) as i64) {
+                Ok(_) if items[0].is_readable() => match sub.recv_multipart(0) {
+                    Ok(frames) => self.on_live(&frames)?,
                     Err(_) => break,
                 },
-                Ok(Got::Idle) => {}
+                Ok(_) => {}
                 Err(_) => break,
             }
         }
