@@ -1719,17 +1719,11 @@ fn recovery(rt: &tokio::runtime::Runtime, s: &mut Setup, table: &mut Table) {
     for (how, signal) in [("SIGKILL", "KILL"), ("SIGTERM", "TERM")] {
         let sessions = sub.shared.sessions.load(Ordering::Relaxed);
         let snapshots = sub.shared.snapshots.load(Ordering::Relaxed);
-        let pid = s.relay.pid().expect("pid");
         if signal == "KILL" {
             s.relay.kill();
         } else {
-            let ok = std::process::Command::new("kill")
-                .args(["-TERM", &pid.to_string()])
-                .status()
-                .is_ok_and(|st| st.success());
-            assert!(ok, "kill -TERM {pid} failed");
-            let ok = harness_wait(Duration::from_secs(60), || s.relay.exited().is_some());
-            assert!(ok, "the relay did not exit on SIGTERM");
+            let stopped = s.relay.terminate(Duration::from_secs(60));
+            assert!(stopped.is_some(), "the relay did not exit within 60 s of SIGTERM");
         }
         let t = Instant::now();
         s.relay.spawn_only();
