@@ -105,12 +105,14 @@ fn the_streams_run_nicer_than_the_http_api() {
         BufReader::new(child.stdout.take().unwrap()).read_line(&mut line).unwrap();
         assert!(line.starts_with("kv-router listening on http://127.0.0.1:"), "{line}");
         // A new thread names itself once it runs, and a worker renices itself just after: read
-        // until they have (a failure to renice then shows in the assertions below, after the
-        // deadline).
+        // until they have, and until a worker exists at all (a failure to renice then shows in
+        // the assertions below, after the deadline).
         let named = |t: &[(String, i32)]| {
             let main = t.iter().find(|(n, _)| n == "kv-router").map_or(0, |m| m.1);
+            let mut workers = t.iter().filter(|(n, _)| n == "tokio-rt-worker").peekable();
             t.iter().filter(|(n, _)| n == "kv-router-http").count() == http
-                && t.iter().filter(|(n, _)| n == "tokio-rt-worker").all(|w| w.1 != main)
+                && workers.peek().is_some()
+                && workers.all(|w| w.1 != main)
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         let mut threads = thread_niceness(child.id());
