@@ -172,7 +172,7 @@ impl Sink for RankCommitter {
                         self.batches.clear();
                         return Err(Closed);
                     }
-                    // Keep the records and retry: the rank's socket backs up onto the engine.
+                    // Keep the records and retry: the rank's SUB queue backs up onto the engine.
                     tracing::error!(error = %e, retry_in = ?backoff, "commit failed; ingest is held until the store accepts it");
                     let until = Instant::now() + backoff;
                     while !self.stopping() {

@@ -323,12 +323,13 @@ impl RelayProc {
         self.child.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 
-    /// SIGTERM (with `kill`, as systemd stops the unit), then up to `within` for the process to
-    /// exit: how long it took, or `None` (it is then killed).
+    /// SIGTERM (with `kill`, as systemd stops the unit; panics if `kill` fails), then up to
+    /// `within` for the process to exit: how long it took, or `None` (it is then killed).
     pub fn terminate(&mut self, within: Duration) -> Option<Duration> {
         let mut c = self.child.take()?;
         let t0 = Instant::now();
-        let _ = Command::new("kill").args(["-TERM", &c.id().to_string()]).status();
+        let sent = Command::new("kill").args(["-TERM", &c.id().to_string()]).status().is_ok_and(|st| st.success());
+        assert!(sent, "kill -TERM {} failed", c.id());
         loop {
             if let Ok(Some(_)) = c.try_wait() {
                 return Some(t0.elapsed());
