@@ -35,7 +35,13 @@
 //! what the pre-encoded publisher offers alone; `shapes` that and the ingest search on both
 //! shapes; `latency`; `footprint` the catch-up, the fill to a million live blocks, RSS, bytes on
 //! disk, snapshot resync and the commit pause; `recovery` the fill and restarts after SIGKILL and
-//! SIGTERM).
+//! SIGTERM; `floor` the relay beside the transport alone, at issue 28's light-load rates).
+//!
+//! The transport alone (`relay/forwarder.rs`, the `floor` part's peer) is this binary run again
+//! as a process of its own: the relay's reading, decoding, normalizing, encoding and serving of
+//! each batch with the relay's code and libraries, and no store. Both follow the engine at once,
+//! each with an indexing subscriber, so the difference is what the store costs and the
+//! transport's own figures are what any relay built this way pays.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -55,6 +61,12 @@ use kv_relay_testkit::wire::{
 };
 use kv_router_client::admission::{ClientEvent, RelayAdmission};
 use kv_router_client::index::{IndexConfig, PrefixIndex};
+
+#[path = "relay/forwarder.rs"]
+mod forwarder;
+
+#[global_allocator]
+static ALLOC: forwarder::BenchAllocator = forwarder::BenchAllocator;
 
 const BLOCK_SIZE: u32 = 16;
 const DP: u32 = 2;
@@ -1204,6 +1216,12 @@ fn ingest_shape(
         pin(std::process::id(), "0,1");
     }
     drop(pubr);
+    finish_all(subs, rt);
+    best
+}
+
+/// Stops the subscribers, printing the errors their streams ended with.
+fn finish_all(subs: impl IntoIterator<Item = Sub>, rt: &tokio::runtime::Runtime) {
     for sub in subs {
         let errors = sub.shared.errors.lock().expect("errors").clone();
         if !errors.is_empty() {
@@ -1211,7 +1229,6 @@ fn ingest_shape(
         }
         sub.finish(rt);
     }
-    best
 }
 
 /// Where the relay's time went: its commit histograms against its CPU time so far.
@@ -1235,6 +1252,10 @@ fn commit_breakdown(s: &Setup) {
 // ---------------------------------------------------------------------------------------------
 
 fn main() {
+    if let Ok(spec) = std::env::var(forwarder::ENV) {
+        forwarder::main(&spec);
+        return;
+    }
     // `cargo test --bench relay` passes libtest flags; there is nothing to filter.
     let opts = Opts::from_env();
     let bin = relay_binary(opts.quick);
@@ -1276,6 +1297,9 @@ fn main() {
     }
     if opts.part("latency") || opts.part("footprint") || opts.part("recovery") {
         footprint_latency_resync(&opts, &rt, &mut table);
+    }
+    if opts.part("floor") {
+        floor(&opts, &rt, &mut table);
     }
     println!(
         "\nsummary ({} mode, relay {}, load average {}):\n",
@@ -1399,6 +1423,119 @@ fn latency_window(s: &Setup, pubr: &Publisher, sub: &Sub, direct: &Direct, rate:
         achieved,
         (c1 - c0) / el,
     ]
+}
+
+/// One path's figures in a `floor` window: p50, p99, p99.9 (ms) and its process's CPU (cores).
+struct PathFigures {
+    p50: f64,
+    p99: f64,
+    p999: f64,
+    cpu: f64,
+}
+
+/// One `floor` window: the relay's and the transport's figures, the direct SUB's p50, p99 and
+/// p99.9 (ms), and the batches published a second.
+struct FloorRun {
+    paths: [PathFigures; 2],
+    direct: [f64; 3],
+    published: f64,
+}
+
+/// The relay beside the transport alone ([`forwarder`]: the relay's ZeroMQ reading, decoding,
+/// normalizing, encoding and gRPC serving, without its store), both following the same engine at
+/// once, each with an indexing subscriber, and the direct SUB: how much of the relay's latency and
+/// CPU at light load its store costs, and how much any relay on these libraries pays.
+fn floor(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
+    let s = setup(opts, None, &[]);
+    let endpoints: Vec<(u32, String)> = s.engine.endpoints().into_iter().map(|e| (e.rank, e.publisher)).collect();
+    let fwd = forwarder::ForwarderProc::start(&endpoints);
+    let direct = Direct::start(&s.engine);
+    let subs = [Sub::start(rt.handle(), &s.relay.url(), None), Sub::start(rt.handle(), fwd.url(), None)];
+    // Both have joined the engine's PUB sockets before the first batch (a SUB joins asynchronously).
+    std::thread::sleep(Duration::from_secs(1));
+    let pubr = Publisher::start(s.engine.clone(), Workload::new(opts));
+    pubr.set_rate(300.0);
+    std::thread::sleep(Duration::from_secs(if opts.quick { 1 } else { 4 }));
+    pubr.set_rate(0.0);
+    assert!(
+        drain(&pubr, &subs, Duration::from_secs(60)).is_some(),
+        "floor: a subscriber did not receive every batch published (relay {}, forwarder {}, published {})",
+        subs[0].shared.batches.load(Ordering::Relaxed),
+        subs[1].shared.batches.load(Ordering::Relaxed),
+        pubr.published()
+    );
+    let pids = [s.relay.pid().expect("pid"), fwd.pid()];
+    let rates = opts.rates.clone().unwrap_or_else(|| if opts.quick { vec![250.0] } else { vec![250.0, 750.0, 1000.0] });
+    for rate in rates {
+        let mut runs: Vec<FloorRun> = Vec::new();
+        for _ in 0..opts.runs {
+            for sub in &subs {
+                sub.shared.latencies.lock().expect("l").clear();
+            }
+            direct.latencies.lock().expect("l").clear();
+            let (p0, c0, t0) = (pubr.published(), pids.map(cpu_seconds), Instant::now());
+            pubr.set_rate(rate);
+            std::thread::sleep(Duration::from_millis(300));
+            let flag = |on: bool| {
+                subs.iter().for_each(|s| s.shared.record.store(on, Ordering::Relaxed));
+                direct.record.store(on, Ordering::Relaxed);
+            };
+            flag(true);
+            std::thread::sleep(opts.latency_window);
+            flag(false);
+            let (p1, c1, el) = (pubr.published(), pids.map(cpu_seconds), t0.elapsed().as_secs_f64());
+            pubr.set_rate(0.0);
+            assert!(drain(&pubr, &subs, Duration::from_secs(120)).is_some(), "floor: a subscriber fell behind");
+            let figures = |i: usize| {
+                let mut l = std::mem::take(&mut *subs[i].shared.latencies.lock().expect("l"));
+                PathFigures {
+                    p50: pct(&mut l, 0.5),
+                    p99: pct(&mut l, 0.99),
+                    p999: pct(&mut l, 0.999),
+                    cpu: (c1[i] - c0[i]) / el,
+                }
+            };
+            let mut d = std::mem::take(&mut *direct.latencies.lock().expect("l"));
+            let w = FloorRun {
+                paths: [figures(0), figures(1)],
+                direct: [pct(&mut d, 0.5), pct(&mut d, 0.99), pct(&mut d, 0.999)],
+                published: (p1 - p0) as f64 / el,
+            };
+            println!(
+                "floor at {rate:.0} b/s ({:.0} published): relay p50 {:.2} p99 {:.2} ms, {:.3} cores; transport alone p50 {:.2} p99 {:.2} ms, {:.3} cores; direct p50 {:.2} p99 {:.2} ms (load average {})",
+                w.published, w.paths[0].p50, w.paths[0].p99, w.paths[0].cpu, w.paths[1].p50, w.paths[1].p99, w.paths[1].cpu, w.direct[0], w.direct[1], loadavg()
+            );
+            runs.push(w);
+        }
+        let m = |f: &dyn Fn(&FloorRun) -> f64| median(&mut runs.iter().map(f).collect::<Vec<_>>());
+        let path = |i: usize| {
+            format!(
+                "p50 {:.2} / p99 {:.2} / p99.9 {:.2} ms, {:.3} cores",
+                m(&|r| r.paths[i].p50),
+                m(&|r| r.paths[i].p99),
+                m(&|r| r.paths[i].p999),
+                m(&|r| r.paths[i].cpu)
+            )
+        };
+        table.row(
+            format!("relay beside the transport alone (no store), {rate:.0} batches/s offered ({:.0} published), Mooncake, median of {}", m(&|r| r.published), opts.runs),
+            format!("relay {}", path(0)),
+            format!(
+                "transport alone {}; direct SUB p50 {:.2} / p99 {:.2} / p99.9 {:.2} ms",
+                path(1),
+                m(&|r| r.direct[0]),
+                m(&|r| r.direct[1]),
+                m(&|r| r.direct[2])
+            ),
+            match rate as u64 {
+                250 => "relay p50 under 0.5 ms",
+                1000 => "relay at most 0.1 core",
+                _ => "",
+            },
+        );
+    }
+    drop(pubr);
+    finish_all(subs, rt);
 }
 
 fn footprint_latency_resync(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
