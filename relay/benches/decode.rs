@@ -2,7 +2,10 @@
 //! alone (`wire::decode_batch`), our whole path (split frames, decode, normalize:
 //! `capture::decode_message`), and, with `--features dynamo-bench`, NVIDIA Dynamo's decoder
 //! (`dynamo_kv_router::zmq_wire::decode_event_batch`), measured side by side in the same run.
-//! It also reports which batches each decoder can read.
+//! It also reports which batches each decoder can read, and what encoding the decoded batches as
+//! Subscribe messages costs: straight from the model (`server::encode::subscribe_bytes`, what
+//! the relay sends) against through the contract's structs (`record_to_pb` and prost), checked
+//! byte for byte, interleaved in each run.
 //!
 //! ```text
 //! cargo bench -p kv-relay --bench decode --features dynamo-bench     # full, with Dynamo
@@ -15,8 +18,11 @@
 //! per-run ratios ours / Dynamo.
 
 use kv_relay::capture::{self, CapturedMessage, Decoded, SocketKind};
+use kv_relay::model::{Load, Record, RecordBody};
 use kv_relay::normalize::Normalizer;
+use kv_relay::server::{convert::record_to_pb, encode::subscribe_bytes};
 use kv_relay::wire::{self, ReplayReply};
+use prost::Message;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
@@ -161,6 +167,32 @@ fn pass_dynamo(_: &Fixture) -> Option<usize> {
     None
 }
 
+/// Every fixture's batches as committed records (cursors from 1, a load on each), in order.
+fn records(fixtures: &[Fixture]) -> Vec<Record> {
+    let mut out = Vec::new();
+    for f in fixtures {
+        let mut norm = Normalizer::new();
+        for m in &f.messages {
+            if let Decoded::Batch { normalized, .. } = capture::decode_message(&mut norm, m) {
+                let load = Load { running: 3.0, waiting: 1.0, kv_usage: 0.42, scraped_at_ms: 1_764_000_000_000 };
+                let body = RecordBody::Batch { batch: normalized.batch, load: Some(load) };
+                out.push(Record { cursor: out.len() as u64 + 1, incarnation: 1, body });
+            }
+        }
+    }
+    out
+}
+
+/// The bytes of every record's Subscribe message, summed: straight from the model.
+fn pass_encode_direct(records: &[Record]) -> usize {
+    records.iter().map(|r| subscribe_bytes(black_box(r)).len()).sum()
+}
+
+/// The same through the contract's structs, as the relay encoded before.
+fn pass_encode_prost(records: &[Record]) -> usize {
+    records.iter().map(|r| bytes::Bytes::from(record_to_pb(black_box(r)).into_subscribe().encode_to_vec()).len()).sum()
+}
+
 fn median(v: &mut [f64]) -> f64 {
     if v.is_empty() {
         return f64::NAN;
@@ -236,8 +268,16 @@ fn main() {
         }
     }
 
+    let recs = records(&fixtures);
+    for r in &recs {
+        let via = record_to_pb(r).into_subscribe().encode_to_vec();
+        assert_eq!(subscribe_bytes(r).to_vec(), via, "record {} encodes otherwise than prost", r.cursor);
+    }
+    let (mut direct, mut via_pb) = (Vec::new(), Vec::new());
     let mut per: Vec<Runs> = fixtures.iter().map(|_| Runs::default()).collect();
     for run in 0..runs {
+        direct.push(measure(budget, || pass_encode_direct(&recs)));
+        via_pb.push(measure(budget, || pass_encode_prost(&recs)));
         for (f, r) in fixtures.iter().zip(per.iter_mut()) {
             r.decode.push(measure(budget, || pass_ours_decode(f)));
             if with_dynamo {
@@ -304,6 +344,18 @@ fn main() {
         ratio(median(&mut rf)),
     );
     println!("({all_msgs} messages, {all_events} wire events in all; Dynamo's rates count the batches it rejects as messages too)");
+
+    let mut ratios: Vec<f64> = direct.iter().zip(&via_pb).map(|(a, b)| a / b).collect();
+    let n = recs.len() as f64;
+    let bytes = pass_encode_direct(&recs);
+    println!();
+    println!(
+        "Subscribe encoding of the {} records ({bytes} bytes, equal both ways), medians over {runs} runs: straight from the model {} msgs/s, through the contract's structs {} msgs/s: {} (median of per-run ratios)",
+        recs.len(),
+        si(median(&mut direct) * n),
+        si(median(&mut via_pb) * n),
+        ratio(median(&mut ratios))
+    );
 }
 
 fn ratio(x: f64) -> String {

@@ -9,6 +9,7 @@
 //! - `stream`: the per-stream producers (Subscribe, History, Snapshot).
 
 pub mod convert;
+pub mod encode;
 mod guard;
 pub mod status;
 mod stream;

@@ -19,6 +19,7 @@
 //! sends a snapshot it holds one chunk (`snapshot_chunk_blocks` blocks) instead of a page.
 
 use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
+use super::encode::subscribe_bytes;
 use super::status::{Notice, RelayStatusHandle};
 use super::ServerConfig;
 use crate::store::{Committed, SnapshotFilter, Store, StoreError};
@@ -154,9 +155,7 @@ impl Outgoing {
     /// The message to send: a record's is encoded once, and every subscriber sends its bytes.
     pub(crate) fn into_message(self) -> SubscribeOut {
         match self {
-            Outgoing::Record(c) => {
-                SubscribeOut::Encoded(c.subscribe_encoded(|r| SubscribeOut::encode(&record_to_pb(r).into_subscribe())))
-            }
+            Outgoing::Record(c) => SubscribeOut::Encoded(c.subscribe_encoded(subscribe_bytes)),
             Outgoing::Message(m) => SubscribeOut::Message(m),
         }
     }

@@ -264,7 +264,7 @@ pub(crate) fn decode_named<'a, T: Deserialize<'a>>(b: &'a [u8]) -> Result<T, Str
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::model::*;
 
@@ -370,7 +370,8 @@ mod tests {
         })
     }
 
-    fn record() -> impl proptest::strategy::Strategy<Value = Record> {
+    /// Any record the model can hold (also the server's encoder's test input).
+    pub(crate) fn record() -> impl proptest::strategy::Strategy<Value = Record> {
         use proptest::prelude::*;
         let tier = prop_oneof![Just(Tier::Device), Just(Tier::Host), ".{0,5}".prop_map(Tier::Other)];
         let block = (any::<u64>(), proptest::collection::vec(any::<u32>(), 0..5), proptest::option::of(key_part()))

@@ -42,6 +42,9 @@
 
 mod checkpoint;
 mod codec;
+/// Any record the model can hold, for property tests outside the store.
+#[cfg(test)]
+pub(crate) use codec::tests::record as any_record;
 mod error;
 mod format;
 mod live;

@@ -3,8 +3,8 @@
 //! relay built on these libraries pays for a batch before it keeps anything.
 //!
 //! Per rank a thread with a libzmq SUB socket (as the relay's rank threads) decodes and normalizes
-//! each batch with the relay's own code, gives it the next cursor, converts it to the contract's
-//! `Batch` and encodes it once (as the relay's in-memory tail does), and hands it to the server
+//! each batch with the relay's own code, gives it the next cursor, encodes its Subscribe message
+//! once as the relay's in-memory tail does (`server::encode`), and hands it to the server
 //! through a broadcast channel. The server is the relay's gRPC stack on one server thread (tonic,
 //! the `Subscribe` response encoded once and shared, as `--server-threads 1`). No log, no live
 //! set, no checkpoint, no history: a subscriber gets an empty snapshot at the current cursor,
@@ -20,8 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
+use kv_relay::model::{Record, RecordBody};
 use kv_relay::normalize::Normalizer;
-use kv_relay::server::convert::batch_to_pb;
+use kv_relay::server::encode::subscribe_bytes;
 use kv_relay::wire;
 use kv_relay_proto::encoded::server::relay_server::{Relay, RelayServer};
 use kv_relay_proto::encoded::SubscribeOut;
@@ -150,10 +151,10 @@ pub fn main(spec: &str) {
                         let n = norm.normalize(raw.dp_rank.unwrap_or(rank), seq, raw);
                         let mut cursor = shared.cursor.lock().expect("cursor");
                         *cursor += 1;
-                        let m =
-                            pb::SubscribeResponse { message: Some(M::Batch(batch_to_pb(*cursor, 1, &n.batch, None))) };
+                        let body = RecordBody::Batch { batch: n.batch, load: None };
+                        let r = Record { cursor: *cursor, incarnation: 1, body };
                         // No receiver yet is not an error: nobody subscribes.
-                        let _ = shared.tx.send((*cursor, SubscribeOut::encode(&m)));
+                        let _ = shared.tx.send((*cursor, subscribe_bytes(&r)));
                     }
                 })
                 .expect("thread"),
