@@ -667,6 +667,7 @@ async fn session(
             Some(pb::subscribe_response::Message::Batch(b)) => Some(b.engine_ts),
             _ => None,
         };
+        let before = st.admission.position().cursor;
         let verdict = st.admission.apply(msg, &st.index, tokio::time::Instant::now(), &mut events);
         if let Some(ts) = ts {
             if sh.record.load(Ordering::Relaxed) {
@@ -676,8 +677,12 @@ async fn session(
             sh.batches.fetch_add(1, Ordering::Relaxed);
         }
         for e in events.drain(..) {
-            if let ClientEvent::SnapshotApplied { .. } = e {
+            if let ClientEvent::SnapshotApplied { cursor, .. } = e {
                 sh.snapshots.fetch_add(1, Ordering::Relaxed);
+                // The records the snapshot stands for count as applied: the relay's records here
+                // are batches (a control record, if any, would count as one too), so a subscriber
+                // that was told to resync can drain again and the next steps are measured.
+                sh.batches.fetch_add(cursor.saturating_sub(before), Ordering::Relaxed);
             }
         }
         sh.cursor.store(st.admission.position().cursor, Ordering::Relaxed);
@@ -699,11 +704,15 @@ async fn count(url: String, sh: Arc<SubShared>, mut stop: tokio::sync::watch::Re
 }
 
 /// A `SubscribeResponse` as a counting subscriber reads it: a batch's cursor (the contract's
-/// tags: `batch = 1` in the response, `cursor = 1` in the batch); prost skips the rest.
+/// tags: `batch = 1` in the response, `cursor = 1` in the batch) and a snapshot end's; prost
+/// skips the rest.
 #[derive(Clone, PartialEq, prost::Message)]
 struct ThinResponse {
     #[prost(message, optional, tag = "1")]
     batch: Option<ThinBatch>,
+    /// A snapshot's end (`snapshot_end = 6`, its `cursor = 1`), after a resync.
+    #[prost(message, optional, tag = "6")]
+    snapshot_end: Option<ThinBatch>,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -736,6 +745,12 @@ async fn count_session(
             *after = b.cursor;
             sh.cursor.store(b.cursor, Ordering::Relaxed);
             sh.batches.fetch_add(1, Ordering::Relaxed);
+        } else if let Some(e) = &msg.snapshot_end {
+            // After a resync: the records the snapshot stands for count as received, as for an
+            // indexing subscriber.
+            sh.batches.fetch_add(e.cursor.saturating_sub(*after), Ordering::Relaxed);
+            *after = e.cursor;
+            sh.cursor.store(e.cursor, Ordering::Relaxed);
         }
     }
 }
@@ -925,11 +940,15 @@ struct Step {
     relay_cpu: f64,
     /// This process's CPU (engine, publisher, subscribers), in cores.
     bench_cpu: f64,
+    /// Streams the subscribers opened again during the step (resyncs).
+    resynced: u64,
     stable: bool,
 }
 
 fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration) -> Step {
     let (pid, me) = (s.relay.pid().expect("pid"), std::process::id());
+    let sessions = || subs.iter().map(|s| s.shared.sessions.load(Ordering::Relaxed)).sum::<u64>();
+    let sessions0 = sessions();
     let (p0, o0, c0, b0, t0) =
         (pubr.published(), pubr.ops.load(Ordering::Relaxed), cpu_seconds(pid), cpu_seconds(me), Instant::now());
     pubr.set_rate(rate);
@@ -944,10 +963,13 @@ fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration)
     let secs = el.as_secs_f64();
     let batches_s = (p1 - p0) as f64 / secs;
     // Stable: the engine published what was offered, the backlog did not grow from the middle of
-    // the step to its end (beyond a quarter second of batches), and it drained within a second.
+    // the step to its end (beyond a quarter second of batches), it drained within a second, and
+    // no subscriber had to open a new stream (a resync after falling behind the history).
+    let resynced = sessions() - sessions0;
     let stable = batches_s >= 0.93 * rate
         && backlog_end <= backlog_mid + (rate / 4.0) as u64
-        && d.is_some_and(|d| d < Duration::from_secs(1));
+        && d.is_some_and(|d| d < Duration::from_secs(1))
+        && resynced == 0;
     Step {
         offered: rate,
         batches_s,
@@ -957,6 +979,7 @@ fn run_step(s: &Setup, pubr: &Publisher, subs: &[Sub], rate: f64, len: Duration)
         drain: d,
         relay_cpu: (c1 - c0) / secs,
         bench_cpu: (b1 - b0) / secs,
+        resynced,
         stable,
     }
 }
@@ -973,7 +996,13 @@ fn print_step(st: &Step) {
         st.relay_cpu,
         st.relay_cpu / (st.batches_s / 1000.0),
         st.bench_cpu,
-        if st.stable { "stable" } else { "LAG GROWS" }
+        if st.stable {
+            "stable".to_string()
+        } else if st.resynced > 0 {
+            format!("LAG GROWS ({} resynced)", st.resynced)
+        } else {
+            "LAG GROWS".to_string()
+        }
     );
 }
 
