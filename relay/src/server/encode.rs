@@ -181,7 +181,13 @@ fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>) -> u
         + varint_field_len(3, u64::from(b.dp_rank))
         + varint_field_len(4, b.seq)
         + double_field_len(5, b.ts)
-        + b.events.iter().map(|e| nested_len(6, event_len(e))).sum::<usize>()
+        + b.events
+            .iter()
+            .map(|e| {
+                let (tag, len) = event_field(e);
+                nested_len(6, nested_len(tag, len))
+            })
+            .sum::<usize>()
         + load.map_or(0, |l| nested_len(7, load_len(l)))
 }
 
@@ -192,7 +198,6 @@ fn put_batch(out: &mut Vec<u8>, cursor: u64, incarnation: u32, b: &Batch, load: 
     put_varint_field(out, 4, b.seq);
     put_double_field(out, 5, b.ts);
     for e in &b.events {
-        nested(out, 6, event_len(e));
         put_event(out, e);
     }
     if let Some(l) = load {
@@ -201,31 +206,29 @@ fn put_batch(out: &mut Vec<u8>, cursor: u64, incarnation: u32, b: &Batch, load: 
     }
 }
 
-/// An `Event`: its one field of the `event` oneof (stored 1, removed 2, cleared 3), always written.
-fn event_len(e: &Event) -> usize {
+/// An `Event`: its one field of the `event` oneof (stored 1, removed 2, cleared 3), always
+/// written; the field's tag and its body's length.
+fn event_field(e: &Event) -> (u32, usize) {
     match e {
-        Event::Stored(s) => nested_len(1, stored_len(s)),
-        Event::Removed(r) => nested_len(2, removed_len(r)),
+        Event::Stored(s) => (1, stored_len(s)),
+        Event::Removed(r) => (2, removed_len(r)),
         Event::Cleared(c) => {
             let (tier, name) = cleared_tier(c);
-            nested_len(3, enum_len(1, tier) + string_field_len(2, &name))
+            (3, enum_len(1, tier) + string_field_len(2, &name))
         }
     }
 }
 
+/// An event as `Batch.events = 6`: its length is computed once for both length prefixes.
 fn put_event(out: &mut Vec<u8>, e: &Event) {
+    let (tag, len) = event_field(e);
+    nested(out, 6, nested_len(tag, len));
+    nested(out, tag, len);
     match e {
-        Event::Stored(s) => {
-            nested(out, 1, stored_len(s));
-            put_stored(out, s);
-        }
-        Event::Removed(r) => {
-            nested(out, 2, removed_len(r));
-            put_removed(out, r);
-        }
+        Event::Stored(s) => put_stored(out, s),
+        Event::Removed(r) => put_removed(out, r),
         Event::Cleared(c) => {
             let (tier, name) = cleared_tier(c);
-            nested(out, 3, enum_len(1, tier) + string_field_len(2, &name));
             put_enum(out, 1, tier);
             put_string_field(out, 2, &name);
         }
