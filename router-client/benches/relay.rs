@@ -1425,33 +1425,57 @@ fn shapes(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
     }
 }
 
-fn latency_window(s: &Setup, pubr: &Publisher, sub: &Sub, direct: &Direct, rate: f64, window: Duration) -> [f64; 8] {
-    sub.shared.latencies.lock().expect("l").clear();
+/// What one latency window recorded: each subscriber's latencies (ms) and the direct SUB's, each
+/// process's CPU (cores), the batches published a second, and whether the subscribers drained.
+struct Window {
+    subs: Vec<Vec<f32>>,
+    direct: Vec<f32>,
+    cpu: Vec<f64>,
+    published: f64,
+    drained: bool,
+}
+
+/// Offers `rate` for 300 ms, then records latencies for `window`, then stops and drains.
+fn measure_window(
+    pubr: &Publisher,
+    subs: &[Sub],
+    direct: &Direct,
+    pids: &[u32],
+    rate: f64,
+    window: Duration,
+) -> Window {
+    for sub in subs {
+        sub.shared.latencies.lock().expect("l").clear();
+    }
     direct.latencies.lock().expect("l").clear();
-    let (p0, c0, t0) = (pubr.published(), cpu_seconds(s.relay.pid().expect("pid")), Instant::now());
+    let cpu = || pids.iter().map(|&p| cpu_seconds(p)).collect::<Vec<_>>();
+    let (p0, c0, t0) = (pubr.published(), cpu(), Instant::now());
     pubr.set_rate(rate);
     std::thread::sleep(Duration::from_millis(300));
-    sub.shared.record.store(true, Ordering::Relaxed);
-    direct.record.store(true, Ordering::Relaxed);
+    let record = |on: bool| {
+        subs.iter().for_each(|s| s.shared.record.store(on, Ordering::Relaxed));
+        direct.record.store(on, Ordering::Relaxed);
+    };
+    record(true);
     std::thread::sleep(window);
-    sub.shared.record.store(false, Ordering::Relaxed);
-    direct.record.store(false, Ordering::Relaxed);
-    let (p1, c1, el) = (pubr.published(), cpu_seconds(s.relay.pid().expect("pid")), t0.elapsed().as_secs_f64());
+    record(false);
+    let (p1, c1, el) = (pubr.published(), cpu(), t0.elapsed().as_secs_f64());
     pubr.set_rate(0.0);
-    drain(pubr, std::slice::from_ref(sub), Duration::from_secs(120));
-    let mut r = std::mem::take(&mut *sub.shared.latencies.lock().expect("l"));
-    let mut d = std::mem::take(&mut *direct.latencies.lock().expect("l"));
-    let achieved = (p1 - p0) as f64 / el;
-    [
-        pct(&mut r, 0.5),
-        pct(&mut r, 0.99),
-        pct(&mut r, 0.999),
-        pct(&mut d, 0.5),
-        pct(&mut d, 0.99),
-        pct(&mut d, 0.999),
-        achieved,
-        (c1 - c0) / el,
-    ]
+    let drained = drain(pubr, subs, Duration::from_secs(120)).is_some();
+    Window {
+        subs: subs.iter().map(|s| std::mem::take(&mut *s.shared.latencies.lock().expect("l"))).collect(),
+        direct: std::mem::take(&mut *direct.latencies.lock().expect("l")),
+        cpu: c0.iter().zip(&c1).map(|(a, b)| (b - a) / el).collect(),
+        published: (p1 - p0) as f64 / el,
+        drained,
+    }
+}
+
+fn latency_window(s: &Setup, pubr: &Publisher, sub: &Sub, direct: &Direct, rate: f64, window: Duration) -> [f64; 8] {
+    let pid = s.relay.pid().expect("pid");
+    let mut w = measure_window(pubr, std::slice::from_ref(sub), direct, &[pid], rate, window);
+    let (r, d) = (&mut w.subs[0], &mut w.direct);
+    [pct(r, 0.5), pct(r, 0.99), pct(r, 0.999), pct(d, 0.5), pct(d, 0.99), pct(d, 0.999), w.published, w.cpu[0]]
 }
 
 /// One path's figures in a `floor` window: p50, p99, p99.9 (ms) and its process's CPU (cores).
@@ -1498,38 +1522,14 @@ fn floor(opts: &Opts, rt: &tokio::runtime::Runtime, table: &mut Table) {
     for rate in rates {
         let mut runs: Vec<FloorRun> = Vec::new();
         for _ in 0..opts.runs {
-            for sub in &subs {
-                sub.shared.latencies.lock().expect("l").clear();
-            }
-            direct.latencies.lock().expect("l").clear();
-            let (p0, c0, t0) = (pubr.published(), pids.map(cpu_seconds), Instant::now());
-            pubr.set_rate(rate);
-            std::thread::sleep(Duration::from_millis(300));
-            let flag = |on: bool| {
-                subs.iter().for_each(|s| s.shared.record.store(on, Ordering::Relaxed));
-                direct.record.store(on, Ordering::Relaxed);
-            };
-            flag(true);
-            std::thread::sleep(opts.latency_window);
-            flag(false);
-            let (p1, c1, el) = (pubr.published(), pids.map(cpu_seconds), t0.elapsed().as_secs_f64());
-            pubr.set_rate(0.0);
-            assert!(drain(&pubr, &subs, Duration::from_secs(120)).is_some(), "floor: a subscriber fell behind");
-            let figures = |i: usize| {
-                let mut l = std::mem::take(&mut *subs[i].shared.latencies.lock().expect("l"));
-                PathFigures {
-                    p50: pct(&mut l, 0.5),
-                    p99: pct(&mut l, 0.99),
-                    p999: pct(&mut l, 0.999),
-                    cpu: (c1[i] - c0[i]) / el,
-                }
-            };
-            let mut d = std::mem::take(&mut *direct.latencies.lock().expect("l"));
-            let w = FloorRun {
-                paths: [figures(0), figures(1)],
-                direct: [pct(&mut d, 0.5), pct(&mut d, 0.99), pct(&mut d, 0.999)],
-                published: (p1 - p0) as f64 / el,
-            };
+            let mut w = measure_window(&pubr, &subs, &direct, &pids, rate, opts.latency_window);
+            assert!(w.drained, "floor: a subscriber fell behind");
+            let paths = [0, 1].map(|i| {
+                let l = &mut w.subs[i];
+                PathFigures { p50: pct(l, 0.5), p99: pct(l, 0.99), p999: pct(l, 0.999), cpu: w.cpu[i] }
+            });
+            let d = &mut w.direct;
+            let w = FloorRun { paths, direct: [pct(d, 0.5), pct(d, 0.99), pct(d, 0.999)], published: w.published };
             println!(
                 "floor at {rate:.0} b/s ({:.0} published): relay p50 {:.2} p99 {:.2} ms, {:.3} cores; transport alone p50 {:.2} p99 {:.2} ms, {:.3} cores; direct p50 {:.2} p99 {:.2} ms (load average {})",
                 w.published, w.paths[0].p50, w.paths[0].p99, w.paths[0].cpu, w.paths[1].p50, w.paths[1].p99, w.paths[1].cpu, w.direct[0], w.direct[1], loadavg()
