@@ -101,6 +101,7 @@ mod tests {
                 load: None,
                 newest_cursor: 1_234_567,
                 sent_at_ms: 42,
+                liveness: None,
             })),
         }
     }

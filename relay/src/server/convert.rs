@@ -239,6 +239,7 @@ pub fn batch_to_pb(cursor: u64, incarnation: u32, batch: &Batch, load: Option<&L
         engine_ts: batch.ts,
         events: batch.events.iter().map(event_to_pb).collect(),
         load: load.map(load_to_pb),
+        liveness: None,
     }
 }
 

@@ -324,6 +324,7 @@ impl Relay for RelayService {
                         skipped_blocks: h.skipped,
                         mismatch_rate: h.mismatch_rate(),
                     }),
+                    liveness: None,
                 };
                 (r, rs)
             })
@@ -345,6 +346,7 @@ impl Relay for RelayService {
                     lag_ms: 0,
                     load: None,
                     hash_check: None,
+                    liveness: None,
                 }
             });
         }
@@ -366,6 +368,7 @@ impl Relay for RelayService {
             subscribers: st.subscribers,
             counters,
             relay_version: env!("CARGO_PKG_VERSION").to_string(),
+            engine_url: String::new(),
         }))
     }
 

@@ -369,6 +369,7 @@ impl Subscriber {
                 load,
                 newest_cursor: self.store.newest_cursor(),
                 sent_at_ms: unix_ms(),
+                liveness: None,
             })),
         }
     }

@@ -46,7 +46,16 @@ pub fn load(running: f64) -> pb::Load {
 }
 
 pub fn batch(cursor: u64, dp_rank: u32, events: Vec<pb::Event>) -> pb::SubscribeResponse {
-    msg(M::Batch(pb::Batch { cursor, incarnation: 1, dp_rank, engine_seq: cursor, events, load: None, engine_ts: 0.0 }))
+    msg(M::Batch(pb::Batch {
+        cursor,
+        incarnation: 1,
+        dp_rank,
+        engine_seq: cursor,
+        events,
+        load: None,
+        engine_ts: 0.0,
+        liveness: None,
+    }))
 }
 
 pub fn control(cursor: u64, dp_rank: u32, kind: pb::ControlKind, reason: &str) -> pb::SubscribeResponse {
@@ -54,7 +63,13 @@ pub fn control(cursor: u64, dp_rank: u32, kind: pb::ControlKind, reason: &str) -
 }
 
 pub fn heartbeat(dp_rank: u32, running: f64) -> pb::SubscribeResponse {
-    msg(M::Heartbeat(pb::Heartbeat { dp_rank, load: Some(load(running)), newest_cursor: 0, sent_at_ms: 0 }))
+    msg(M::Heartbeat(pb::Heartbeat {
+        dp_rank,
+        load: Some(load(running)),
+        newest_cursor: 0,
+        sent_at_ms: 0,
+        liveness: None,
+    }))
 }
 
 pub fn snap_begin(epoch: u64, cursor: u64, ranks: &[u32]) -> pb::SubscribeResponse {
