@@ -56,7 +56,7 @@ if [ "${LIVE_VLLM_STAGE:-}" != fleet ]; then
   say "engine: $ENGINE_DIR (scripts/real-engine/install.sh)"
   bash "$repo/scripts/real-engine/install.sh" "$ENGINE_DIR"
   say "relay binaries (cargo build --release)"
-  (cd "$repo" && cargo build -q --release --locked -p kv-relay -p kv-router-client --bins)
+  (cd "$repo" && cargo build -q --release --locked -p kv-relay -p kv-router --bins)
   # Stage 2, the fleet, in a network namespace of its own whose only interface is loopback:
   # vLLM 0.32 binds its KV-event PUB socket only for an endpoint with `*` (tcp://*:PORT, every
   # interface; with a host address it connects instead, to a collector that binds), so this is

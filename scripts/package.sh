@@ -58,6 +58,6 @@ rm -f "$out"/kv-relay_*.deb "$out"/kv-router_*.deb
 # --strip: the release profile keeps debug info for profiling (relay binaries of 95 and 75 MB
 # with it); the packages ship the binaries without it.
 cargo deb --locked -p kv-relay "${build[@]}" --strip --output "$out/"
-cargo deb --locked -p kv-router-client "${build[@]}" --strip --output "$out/"
+cargo deb --locked -p kv-router "${build[@]}" --strip --output "$out/"
 echo "package: built"
 ls -l "$out"/*.deb

@@ -54,9 +54,9 @@ cargo test --locked -p kv-router-client --bench resync -- --blocks 20000 --runs 
 # The relay end to end (mock engine, kv-relay process from the build step, subscribers): ~1 min.
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 # A router following a fleet (20 relays, a kv-router process, DNS, a snapshot storm): seconds.
-cargo test --locked -p kv-router-client --bench fleet -- --quick
+cargo test --locked -p kv-router --bench fleet -- --quick
 # What a `/match` answer costs (10 relays x 2 ranks), checked against the old path byte for byte.
-cargo test --locked -p kv-router-client --bench match -- --quick
+cargo test --locked -p kv-router --bench match -- --quick
 
 disk
 

@@ -1,5 +1,6 @@
 //! `kv-router-client`: what a KV-aware router embeds to follow kv-relays and know which
-//! worker holds which KV blocks.
+//! worker holds which KV blocks. The router itself (policies, liveness, the HTTP API and the
+//! `kv-router` binary) is the `kv-router` crate.
 //!
 //! # Layout
 //!
@@ -18,17 +19,13 @@
 //!   workers, and the options that list fewer workers ([`MatchOptions`]).
 //! - [`worker`]: what a router is told about a worker: load, freshness, state.
 //! - [`backoff`]: jittered exponential backoff.
-//! - [`http`]: the example router's HTTP API (`POST /match`, `GET /workers`, `GET /metrics`).
-//! - [`cli`]: the example router `kv-router`'s command line.
 //! - [`error`]: the client's error enums.
 
 pub mod admission;
 pub mod backoff;
-pub mod cli;
 pub mod discovery;
 pub mod error;
 pub mod follower;
-pub mod http;
 pub mod index;
 pub mod matches;
 pub mod worker;

@@ -36,7 +36,7 @@ enum Task {
 
 /// The commands the packages ship, by the name they are installed under.
 fn commands() -> Vec<clap::Command> {
-    vec![kv_relay::config::Args::command(), kv_relay::ctl::cli::Cli::command(), kv_router_client::cli::Args::command()]
+    vec![kv_relay::config::Args::command(), kv_relay::ctl::cli::Cli::command(), kv_router::cli::Args::command()]
 }
 
 /// The completion file of `name` for `shell`, relative to `completions/`, named as each shell

@@ -282,8 +282,7 @@ fn the_kubernetes_example_parses() {
         .map(|a| format!("--{}", a.replace("$(POD_NAMESPACE)", "inference")))
         .collect();
     assert_eq!(args.len(), 4, "{args:?}");
-    let parsed =
-        kv_router_client::cli::Args::try_parse_from(std::iter::once("kv-router".to_string()).chain(args)).unwrap();
+    let parsed = kv_router::cli::Args::try_parse_from(std::iter::once("kv-router".to_string()).chain(args)).unwrap();
     assert_eq!(
         parsed.relays_dns,
         [DnsName { name: "vllm-llama-kv-relay.inference.svc.cluster.local.".into(), port: 50051 }]

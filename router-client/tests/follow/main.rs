@@ -2,7 +2,6 @@
 //! against a real relay server on `127.0.0.1:0`, with the example router's HTTP API.
 
 mod admission;
-mod cli;
 mod daemon;
 mod discovery;
 mod fixtures;

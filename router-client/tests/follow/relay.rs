@@ -11,10 +11,11 @@ use kv_relay::model::{Batch, Block, Control, ControlKind, Event, Group, Load, Na
 use kv_relay::model::{Removed, Stored, Tier, TokenLayout};
 use kv_relay::store::{HistoryLimits, SnapshotFilter, Store, StoreConfig};
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
+use kv_router::http;
 use kv_router_client::backoff::BackoffConfig;
 use kv_router_client::index::reference::ReferenceIndex;
 use kv_router_client::index::{PrefixIndex, StagedSnapshot, TierId};
-use kv_router_client::{http, ClientEvent, FollowConfig, Follower, RelayInfo, WorkerState};
+use kv_router_client::{ClientEvent, FollowConfig, Follower, RelayInfo, WorkerState};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;

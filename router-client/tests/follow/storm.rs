@@ -9,7 +9,7 @@ use std::time::Duration;
 use kv_relay_proto::pb;
 use kv_relay_proto::pb::relay_server::Relay;
 use kv_relay_proto::pb::Tier::Device;
-use kv_router_client::http::{self, answer_match, prometheus_text, MatchRequest};
+use kv_router::http::{self, answer_match, prometheus_text, MatchRequest};
 use kv_router_client::{FollowConfig, Follower, ResyncSlots, WorkerState};
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tonic::{Request, Response, Status};

@@ -14,9 +14,9 @@
 //! bytes; every answer of the full path is checked to be the old path's, byte for byte.
 //!
 //! ```text
-//! cargo bench --locked -p kv-router-client --bench match                  # 100 relays x 10 ranks
-//! cargo bench --locked -p kv-router-client --bench match -- --relays 1000 --ranks 1
-//! cargo test --locked -p kv-router-client --bench match -- --quick         # seconds (CI)
+//! cargo bench --locked -p kv-router --bench match                  # 100 relays x 10 ranks
+//! cargo bench --locked -p kv-router --bench match -- --relays 1000 --ranks 1
+//! cargo test --locked -p kv-router --bench match -- --quick         # seconds (CI)
 //! ```
 //! Options: `--relays N` (100), `--ranks N` (10), `--requests N` per kind and path (2,000),
 //! `--rate R` batches a second per worker (1).
@@ -30,7 +30,7 @@ use kv_relay::model::{Batch, Block, Event, Load, RecordBody, Stored, Tier};
 use kv_relay::store::{Store, StoreConfig};
 use kv_relay_testkit::fleet::serve_store;
 use kv_relay_testkit::pace::Pace;
-use kv_router_client::http::{answer_match, MatchRequest};
+use kv_router::http::{answer_match, MatchRequest};
 use kv_router_client::{FollowConfig, Follower, Match, WorkerState};
 use serde::Serialize;
 

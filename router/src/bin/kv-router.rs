@@ -16,9 +16,10 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser as _;
-use kv_router_client::cli::Args;
+use kv_router::cli::Args;
+use kv_router::http;
 use kv_router_client::discovery::{parse_relays_file, Discovery, DnsName, SystemResolver};
-use kv_router_client::{http, validate_url, FollowConfig, Follower};
+use kv_router_client::{validate_url, FollowConfig, Follower};
 
 /// The validated configuration: everything read before any port is bound.
 struct Config {
@@ -172,7 +173,8 @@ fn renice_this_thread(by: u8) {
 fn main() -> ExitCode {
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "kv_router_client=info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "kv_router_client=info,kv_router=info".into()),
         )
         .with_writer(std::io::stderr)
         .init();

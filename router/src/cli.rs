@@ -5,7 +5,7 @@
 use clap::Parser;
 use std::net::SocketAddr;
 
-use crate::discovery::DnsName;
+use kv_router_client::DnsName;
 use std::path::PathBuf;
 
 /// Follows kv-relays and answers "which worker holds this request's prefix" over HTTP.

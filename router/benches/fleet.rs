@@ -25,10 +25,10 @@
 //!   time until all equal the relay, the relay's RSS and CPU.
 //!
 //! ```text
-//! cargo bench --locked -p kv-router-client --bench fleet                       # 1,000 relays x 10,000 blocks
-//! cargo bench --locked -p kv-router-client --bench fleet -- --only storm,dns
-//! cargo test --locked -p kv-router-client --bench fleet -- --quick              # seconds (CI)
-//! cargo bench --locked -p kv-router-client --bench fleet -- --serve --relays-file F   # serve only
+//! cargo bench --locked -p kv-router --bench fleet                       # 1,000 relays x 10,000 blocks
+//! cargo bench --locked -p kv-router --bench fleet -- --only storm,dns
+//! cargo test --locked -p kv-router --bench fleet -- --quick              # seconds (CI)
+//! cargo bench --locked -p kv-router --bench fleet -- --serve --relays-file F   # serve only
 //! ```
 //! Options: `--relays N` (1,000), `--blocks N` live blocks a relay (10,000), `--rate R` records
 //! a second a relay (50), `--ops N` block operations a record (40: half stores, half removals of

@@ -18,9 +18,7 @@ use kv_relay_proto::hash::{EngineHashConfig, EngineVersion, LoraRef, RequestKeys
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
-use crate::follower::{Follower, RelayInfo};
-use crate::matches::{MatchOptions, Matches};
-use crate::worker::{WorkerInfo, WorkerState};
+use kv_router_client::{Follower, MatchOptions, Matches, RelayInfo, WorkerInfo, WorkerState};
 
 /// The largest `/match` request body (token ids of a long prompt fit easily).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
