@@ -28,7 +28,7 @@ use tokio::time::Instant;
 
 use crate::index::{PrefixIndex, StagedSnapshot, TierId, WorkerId};
 use crate::matches::{RelayView, WorkerSlot};
-use crate::worker::{Load, WorkerInfo, WorkerState};
+use crate::worker::{EngineLiveness, Liveness, Load, WorkerInfo, WorkerState};
 
 /// Where a client stands in one relay's history: what it sends back to resume.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -131,6 +131,10 @@ struct Worker {
     engine_stopped: bool,
     applied: u64,
     resets: u64,
+    /// The newest liveness observation the relay sent (batch, heartbeat or Status).
+    liveness: Option<Liveness>,
+    /// Block copies held, per tier, as the applied events count them.
+    held: Vec<(TierId, u64)>,
 }
 
 impl Worker {
@@ -144,6 +148,41 @@ impl Worker {
             engine_stopped: false,
             applied: 0,
             resets: 0,
+            liveness: None,
+            held: Vec::new(),
+        }
+    }
+
+    /// Keeps `l` when it is the newest observation seen: a batch replayed from the relay's
+    /// history carries the liveness of its commit, older than what a heartbeat or Status said.
+    fn observe(&mut self, l: Option<&pb::Liveness>) {
+        let Some(l) = l else { return };
+        if self.liveness.as_ref().is_none_or(|held| l.observed_at_ms >= held.observed_at_ms) {
+            self.liveness = Some(Liveness::from(l));
+        }
+    }
+
+    fn held_in(&mut self, tier: TierId) -> &mut u64 {
+        let i = match self.held.iter().position(|(t, _)| *t == tier) {
+            Some(i) => i,
+            None => {
+                self.held.push((tier, 0));
+                self.held.len() - 1
+            }
+        };
+        &mut self.held[i].1
+    }
+
+    /// Copies held over every tier.
+    fn held_total(&self) -> u64 {
+        self.held.iter().map(|(_, n)| n).sum()
+    }
+
+    /// Empties the count of one tier, or of every tier.
+    fn clear_held(&mut self, tier: Option<TierId>) {
+        match tier {
+            None => self.held.clear(),
+            Some(t) => self.held.retain(|(held, _)| *held != t),
         }
     }
 }
@@ -153,6 +192,8 @@ impl Worker {
 struct Staging {
     begin: pb::SnapshotBegin,
     ranks: BTreeMap<u32, StagedSnapshot>,
+    /// Copies staged, per rank and tier (the workers' held counts after the swap).
+    held: BTreeMap<u32, Vec<(TierId, u64)>>,
     blocks: u64,
 }
 
@@ -183,6 +224,8 @@ pub struct RelayAdmission {
     relay_newest: u64,
     /// Per rank, the relay's last reported health (Status RPC): the flags after a snapshot.
     health: BTreeMap<u32, RankHealth>,
+    /// The engine's base URL, from the relay's Status.
+    engine_url: Option<Arc<str>>,
 }
 
 fn tier_of(index: &PrefixIndex, tier: i32, name: &str) -> Option<TierId> {
@@ -211,6 +254,7 @@ impl RelayAdmission {
             last_error: None,
             relay_newest: 0,
             health: BTreeMap::new(),
+            engine_url: None,
         }
     }
 
@@ -298,6 +342,10 @@ impl RelayAdmission {
         if st.epoch == self.pos.epoch {
             self.relay_newest = st.newest_cursor;
         }
+        let url = st.engine_url.trim();
+        if self.engine_url.as_deref() != Some(url) {
+            self.engine_url = (!url.is_empty()).then(|| Arc::from(url));
+        }
         for r in &st.ranks {
             let state = pb::RankState::try_from(r.state).unwrap_or(pb::RankState::Unspecified);
             let h = RankHealth {
@@ -310,6 +358,7 @@ impl RelayAdmission {
                 if w.load.is_none() {
                     w.load = r.load.as_ref().map(Load::from);
                 }
+                w.observe(r.liveness.as_ref());
             }
             self.health.insert(r.dp_rank, h);
         }
@@ -396,6 +445,7 @@ impl RelayAdmission {
                     if let Some(l) = &h.load {
                         w.load = Some(Load::from(l));
                     }
+                    w.observe(h.liveness.as_ref());
                 }
                 Verdict::Continue
             }
@@ -403,7 +453,7 @@ impl RelayAdmission {
                 if self.staging.is_some() {
                     self.counters.protocol_errors += 1;
                 }
-                self.staging = Some(Staging { begin: b, ranks: BTreeMap::new(), blocks: 0 });
+                self.staging = Some(Staging { begin: b, ranks: BTreeMap::new(), held: BTreeMap::new(), blocks: 0 });
                 Verdict::Continue
             }
             M::SnapshotChunk(c) => self.stage_chunk(c, index),
@@ -441,6 +491,7 @@ impl RelayAdmission {
         if let Some(l) = &b.load {
             w.load = Some(Load::from(l));
         }
+        w.observe(b.liveness.as_ref());
         let id = w.id;
         let mut hashes = Vec::new();
         for ev in b.events {
@@ -454,6 +505,7 @@ impl RelayAdmission {
                     hashes.clear();
                     hashes.extend(s.blocks.iter().map(|b| b.hash));
                     index.store_after(id, tier, s.parent, &hashes);
+                    *w.held_in(tier) += hashes.len() as u64;
                 }
                 Some(E::Removed(r)) => {
                     let Some(tier) = tier_of(index, r.tier, &r.tier_name) else {
@@ -461,12 +513,16 @@ impl RelayAdmission {
                         continue;
                     };
                     index.remove(id, tier, &r.block_hashes);
+                    let held = w.held_in(tier);
+                    *held = held.saturating_sub(r.block_hashes.len() as u64);
                 }
                 Some(E::Cleared(c)) => {
                     if c.tier == pb::Tier::Unspecified as i32 {
                         index.clear(id, None);
+                        w.clear_held(None);
                     } else if let Some(tier) = tier_of(index, c.tier, &c.tier_name) {
                         index.clear(id, Some(tier));
+                        w.clear_held(Some(tier));
                     } else {
                         skipped += 1;
                     }
@@ -504,6 +560,7 @@ impl RelayAdmission {
         match pb::ControlKind::try_from(c.kind).unwrap_or(pb::ControlKind::Unspecified) {
             pb::ControlKind::RankReset => {
                 index.clear(w.id, None);
+                w.clear_held(None);
                 w.resets += 1;
                 w.degraded = None;
                 w.incomplete = None;
@@ -539,6 +596,11 @@ impl RelayAdmission {
                 continue;
             };
             st.ranks.entry(b.dp_rank).or_default().push_after(tier, b.hash, b.copies.max(1), b.parent);
+            let held = st.held.entry(b.dp_rank).or_default();
+            match held.iter_mut().find(|(t, _)| *t == tier) {
+                Some((_, n)) => *n += u64::from(b.copies.max(1)),
+                None => held.push((tier, u64::from(b.copies.max(1)))),
+            }
             st.blocks += 1;
         }
         self.counters.skipped_events += skipped;
@@ -574,6 +636,7 @@ impl RelayAdmission {
                 continue;
             };
             index.replace_worker(w.id, st.ranks.get(&r).unwrap_or(&empty));
+            w.held = st.held.get(&r).cloned().unwrap_or_default();
             w.last_seen = Some(now);
             w.degraded = health.degraded;
             w.incomplete = health.incomplete;
@@ -624,6 +687,9 @@ impl RelayAdmission {
                     engine_stopped: w.engine_stopped,
                     records_applied: w.applied,
                     resets: w.resets,
+                    liveness: w.liveness.clone(),
+                    held_blocks: w.held_total(),
+                    engine_url: self.engine_url.clone(),
                 }
             })
             .collect()
@@ -633,6 +699,7 @@ impl RelayAdmission {
     pub(crate) fn view(&self) -> RelayView {
         RelayView {
             url: self.url.clone(),
+            engine_url: self.engine_url.clone(),
             syncing: self.syncing,
             connected: self.connected,
             workers: self
@@ -645,6 +712,9 @@ impl RelayAdmission {
                     last_seen: w.last_seen,
                     degraded: w.degraded.is_some(),
                     incomplete: w.incomplete.is_some(),
+                    engine_stopped: w.engine_stopped,
+                    liveness: w.liveness.as_ref().map_or(EngineLiveness::Unknown, |l| l.state),
+                    held_blocks: w.held_total(),
                 })
                 .collect(),
         }

@@ -35,4 +35,4 @@ pub use discovery::{Discovery, DnsName};
 pub use error::{ClientError, StreamError};
 pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo, ResyncSlots};
 pub use matches::{MatchOptions, MatchRef, Matches};
-pub use worker::{Load, WorkerInfo, WorkerState};
+pub use worker::{EngineLiveness, Liveness, Load, WorkerInfo, WorkerState};

@@ -18,12 +18,14 @@ use tokio::time::Instant;
 
 use crate::follower::Match;
 use crate::index::{LookupResult, TierId, TierRun, WorkerId};
-use crate::worker::{Load, WorkerState};
+use crate::worker::{EngineLiveness, Load, WorkerState};
 
 /// One relay's workers as a match reads them.
 #[derive(Debug)]
 pub(crate) struct RelayView {
     pub(crate) url: Arc<str>,
+    /// The engine's base URL, from the relay's Status.
+    pub(crate) engine_url: Option<Arc<str>>,
     pub(crate) syncing: bool,
     pub(crate) connected: bool,
     /// By rank.
@@ -33,7 +35,7 @@ pub(crate) struct RelayView {
 impl RelayView {
     /// A relay of no worker yet.
     pub(crate) fn empty(url: Arc<str>) -> Self {
-        RelayView { url, syncing: false, connected: false, workers: Vec::new() }
+        RelayView { url, engine_url: None, syncing: false, connected: false, workers: Vec::new() }
     }
 }
 
@@ -46,6 +48,9 @@ pub(crate) struct WorkerSlot {
     pub(crate) last_seen: Option<Instant>,
     pub(crate) degraded: bool,
     pub(crate) incomplete: bool,
+    pub(crate) engine_stopped: bool,
+    pub(crate) liveness: EngineLiveness,
+    pub(crate) held_blocks: u64,
 }
 
 /// Which workers a match lists ([`crate::Follower::matches`], `POST /match`).
@@ -166,7 +171,16 @@ impl Matches {
 
     /// The workers, in the answer's order.
     pub fn iter(&self) -> impl ExactSizeIterator<Item = MatchRef<'_>> + '_ {
-        self.rows.iter().map(|row| {
+        self.rows.iter().map(|row| self.at(row))
+    }
+
+    /// The `i`-th worker of the answer.
+    pub fn get(&self, i: usize) -> Option<MatchRef<'_>> {
+        self.rows.get(i).map(|row| self.at(row))
+    }
+
+    fn at(&self, row: &Row) -> MatchRef<'_> {
+        {
             let r = &self.relays[row.relay as usize];
             let w = &r.workers[row.slot as usize];
             let runs = if row.entry == NONE { &[][..] } else { self.result.at(row.entry as usize).tiers };
@@ -177,8 +191,14 @@ impl Matches {
                 by_tier: ByTier { runs, tiers: &self.tiers },
                 load: w.load,
                 state: row.state,
+                id: w.id,
+                liveness: w.liveness,
+                engine_stopped: w.engine_stopped,
+                held_blocks: w.held_blocks,
+                last_seen: w.last_seen,
+                engine_url: r.engine_url.as_ref(),
             }
-        })
+        }
     }
 
     /// The workers as owned [`Match`]es (a map of tier names each).
@@ -218,6 +238,18 @@ pub struct MatchRef<'a> {
     pub load: Option<Load>,
     /// The worker's state.
     pub state: WorkerState,
+    /// The worker's id in the prefix index.
+    pub id: WorkerId,
+    /// The engine's liveness as its relay last reported it.
+    pub liveness: EngineLiveness,
+    /// The relay reports the rank `STOPPED` (it does not follow the rank's engine).
+    pub engine_stopped: bool,
+    /// Block copies the index holds for the worker (see [`crate::WorkerInfo::held_blocks`]).
+    pub held_blocks: u64,
+    /// When the worker was last heard of (batch, heartbeat, control), `None`: never.
+    pub last_seen: Option<Instant>,
+    /// The engine's base URL, from the relay's Status.
+    pub engine_url: Option<&'a Arc<str>>,
 }
 
 impl MatchRef<'_> {
@@ -266,6 +298,11 @@ impl<'a> ByTier<'a> {
             let run = runs.iter().find(|r| r.tier == t)?;
             Some((&*tiers.names[t.get() as usize], run.blocks))
         })
+    }
+
+    /// The leading blocks within tier `tier` (0 if none), without reading names.
+    pub fn of(&self, tier: TierId) -> u32 {
+        self.runs.iter().find(|r| r.tier == tier).map_or(0, |r| r.blocks)
     }
 
     /// The leading blocks within tier `name` (0 if none).

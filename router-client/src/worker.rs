@@ -27,6 +27,78 @@ impl From<&pb::Load> for Load {
     }
 }
 
+/// The engine's liveness as its relay sees it from beside the engine (`kv_relay.v1.Liveness`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineLiveness {
+    /// Not reported: the relay does not watch the engine (no health endpoint), or is older than
+    /// the field. Routed as alive.
+    #[default]
+    Unknown,
+    /// The engine's health endpoint answers and it progresses (or has nothing to do).
+    Alive,
+    /// The health endpoint does not answer in time, or answers an error.
+    Unreachable,
+    /// The health endpoint answers, but requests run and nothing progresses.
+    Wedged,
+    /// Nothing listens on the health endpoint: the engine's process is gone.
+    Stopped,
+}
+
+impl EngineLiveness {
+    /// The state's name as the HTTP API and the metrics spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineLiveness::Unknown => "unknown",
+            EngineLiveness::Alive => "alive",
+            EngineLiveness::Unreachable => "unreachable",
+            EngineLiveness::Wedged => "wedged",
+            EngineLiveness::Stopped => "stopped",
+        }
+    }
+
+    /// Whether a router may send the engine requests: alive, or not reported.
+    pub fn serves(self) -> bool {
+        matches!(self, EngineLiveness::Alive | EngineLiveness::Unknown)
+    }
+}
+
+impl From<pb::EngineLiveness> for EngineLiveness {
+    fn from(s: pb::EngineLiveness) -> Self {
+        match s {
+            pb::EngineLiveness::Unspecified => EngineLiveness::Unknown,
+            pb::EngineLiveness::Alive => EngineLiveness::Alive,
+            pb::EngineLiveness::Unreachable => EngineLiveness::Unreachable,
+            pb::EngineLiveness::Wedged => EngineLiveness::Wedged,
+            pb::EngineLiveness::Stopped => EngineLiveness::Stopped,
+        }
+    }
+}
+
+/// A rank's engine liveness as the relay last reported it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Liveness {
+    /// The state.
+    pub state: EngineLiveness,
+    /// Why, in words (empty when alive).
+    pub reason: String,
+    /// Unix milliseconds when the state began.
+    pub since_ms: u64,
+    /// Unix milliseconds of the relay's observation.
+    pub observed_at_ms: u64,
+}
+
+impl From<&pb::Liveness> for Liveness {
+    fn from(l: &pb::Liveness) -> Self {
+        Liveness {
+            state: pb::EngineLiveness::try_from(l.state).unwrap_or(pb::EngineLiveness::Unspecified).into(),
+            reason: l.reason.clone(),
+            since_ms: l.since_ms,
+            observed_at_ms: l.observed_at_ms,
+        }
+    }
+}
+
 /// A worker's state, most severe first: the first that applies is reported.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
@@ -137,11 +209,26 @@ pub struct WorkerInfo {
     pub records_applied: u64,
     /// Rank resets applied.
     pub resets: u64,
+    /// The engine's liveness as the relay last reported it (`None`: never reported).
+    pub liveness: Option<Liveness>,
+    /// Block copies the index holds for the worker (every tier), as the applied events count
+    /// them: stores add, removals take away, clears and resets empty.
+    pub held_blocks: u64,
+    /// The engine's base URL for requests, from the relay's Status (`None`: not configured).
+    #[serde(serialize_with = "ser_opt_arc_str")]
+    pub engine_url: Option<Arc<str>>,
 }
 
 /// Serializes an `Arc<str>` as a string (serde's `rc` feature is not enabled).
 pub(crate) fn ser_arc_str<S: serde::Serializer>(v: &Arc<str>, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(v)
+}
+
+fn ser_opt_arc_str<S: serde::Serializer>(v: &Option<Arc<str>>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.serialize_some(&**v),
+        None => s.serialize_none(),
+    }
 }
 
 fn ser_opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {

@@ -1,12 +1,26 @@
 //! `kv-router`: a KV-aware router over kv-relays. It follows the relays with
-//! [`kv_router_client::Follower`], and decides where each request goes.
+//! [`kv_router_client::Follower`], and decides where each request goes: to the live worker that
+//! holds most of its prefix, at an acceptable load.
 //!
 //! # Layout
 //!
-//! - [`http`]: the HTTP API (`POST /match`, `GET /workers`, `GET /metrics`); feature `server`.
+//! - [`policy`]: the [`Policy`] trait and the policies (`cache_aware`, the default;
+//!   `round_robin`, `least_load`, `random`), pure functions of the workers' views.
+//! - [`liveness`]: each worker's circuit breaker ([`Tracker`]), driven by what the relay reports
+//!   of the engine, the relay's stream and the router's own requests; pure.
+//! - [`router`]: [`Router`]: the follower, the tracker and the policy: `route` and `report`.
+//! - [`http`]: the HTTP API (`POST /match`, `POST /route`, `POST /route/report`,
+//!   `GET /workers`, `GET /metrics`); feature `server`.
 //! - [`cli`]: the `kv-router` binary's command line; feature `server`.
 
 #[cfg(feature = "server")]
 pub mod cli;
 #[cfg(feature = "server")]
 pub mod http;
+pub mod liveness;
+pub mod policy;
+pub mod router;
+
+pub use liveness::{Cause, Gate, Outcome, ReportError, RoutingState, Signals, Tracker, TrackerConfig};
+pub use policy::{CacheAware, CacheAwareConfig, Candidate, Choice, Overload, Policy, PolicyKind, Reason, RouteInput};
+pub use router::{Reported, RouteError, Routed, RoutedWorker, Router, RouterConfig, RouterCounters, Tokens};
