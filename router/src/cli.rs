@@ -6,6 +6,8 @@ use clap::Parser;
 use std::net::SocketAddr;
 
 use kv_router_client::DnsName;
+
+use crate::policy::PolicyKind;
 use std::path::PathBuf;
 
 /// Follows kv-relays and answers "which worker holds this request's prefix" over HTTP.
@@ -50,9 +52,47 @@ pub struct Args {
     /// Lag stays bounded by the relays' history: a stream that falls behind resumes.
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u8).range(0..=19))]
     pub stream_niceness: u8,
-    /// A worker silent for longer than this (milliseconds) is reported stale.
-    #[arg(long, default_value_t = 2000)]
-    pub stale_after_ms: u64,
+    /// A worker whose relay's stream says nothing of it for this long (seconds) is `stale` and
+    /// leaves routing: its host is cut off or its relay is gone (the relay heartbeats every
+    /// second while a rank is quiet).
+    #[arg(long, default_value_t = 2.0, value_parser = positive_secs)]
+    pub worker_stall_secs: f64,
+    /// The routing policy: `cache_aware`, `round_robin`, `least_load` or `random`.
+    #[arg(long, default_value_t = PolicyKind::CacheAware)]
+    pub policy: PolicyKind,
+    /// `cache_aware`: a block held only in a host (or lower) tier counts as this share of a
+    /// device block (0..=1).
+    #[arg(long, default_value_t = 0.5, value_parser = unit)]
+    pub host_discount: f64,
+    /// `cache_aware`: the prefill of one block the worker does not hold, in microseconds.
+    #[arg(long, default_value_t = 400.0, value_parser = non_negative)]
+    pub prefill_us_per_block: f64,
+    /// `cache_aware`: what each request queued ahead on a worker adds to its wait, in
+    /// microseconds.
+    #[arg(long, default_value_t = 20_000.0, value_parser = non_negative)]
+    pub queue_us_per_request: f64,
+    /// `cache_aware`: the share of cache misses sent to warming workers (back with an almost
+    /// empty cache), 0..=1.
+    #[arg(long, default_value_t = 0.25, value_parser = unit)]
+    pub warm_share: f64,
+    /// Overload protection: a worker at this KV-cache usage or above is steered away from.
+    #[arg(long, default_value_t = 0.8, value_parser = unit)]
+    pub overload_kv_usage: f64,
+    /// Overload protection: a worker with this many waiting requests or more is steered away
+    /// from.
+    #[arg(long, default_value_t = 8.0, value_parser = non_negative)]
+    pub overload_waiting: f64,
+    /// Turns overload protection off (`cache_aware` then weighs load only through the wait).
+    #[arg(long)]
+    pub no_overload_protection: bool,
+    /// When every worker is overloaded, refuse requests (`/route` answers 503) instead of
+    /// sending them to the least loaded one.
+    #[arg(long)]
+    pub shed: bool,
+    /// After a refused connection, a worker whose relay reports it alive is probed again after
+    /// this many milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub retry_after_ms: u64,
     /// No stream message for this long (milliseconds): reconnect and resume.
     #[arg(long, default_value_t = 5000)]
     pub receive_timeout_ms: u64,
@@ -62,4 +102,36 @@ pub struct Args {
     /// CA certificate (PEM) for `https://` relays.
     #[arg(long, value_name = "FILE")]
     pub relay_ca: Option<PathBuf>,
+}
+
+fn number(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|e| format!("{e}"))?;
+    if !v.is_finite() {
+        return Err("must be a finite number".into());
+    }
+    Ok(v)
+}
+
+fn positive_secs(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if v <= 0.0 {
+        return Err("must be above 0".into());
+    }
+    Ok(v)
+}
+
+fn non_negative(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if v < 0.0 {
+        return Err("must be at least 0".into());
+    }
+    Ok(v)
+}
+
+fn unit(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if !(0.0..=1.0).contains(&v) {
+        return Err("must be within 0..=1".into());
+    }
+    Ok(v)
 }

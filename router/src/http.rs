@@ -1,5 +1,5 @@
-//! The example router's HTTP API over a [`Follower`]: `POST /match`, `GET /workers`,
-//! `GET /metrics`. Served with axum (already in the dependency tree through tonic), so HTTP/1.1
+//! The router's HTTP API over a [`Router`]: `POST /match`, `POST /route`, `POST /route/report`,
+//! `GET /workers`, `GET /metrics`. Served with axum (already in the dependency tree through tonic), so HTTP/1.1
 //! parsing, keep-alive and body limits come from a tested server rather than a hand-written one.
 //! See `docs/router-client.md` for the API with examples.
 
@@ -13,12 +13,15 @@ use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use axum::Router;
 use kv_relay_proto::hash::{EngineHashConfig, EngineVersion, LoraRef, RequestKeys, VllmHashAlgo};
 use serde::{Deserialize, Serialize};
 use tokio::net::TcpListener;
 
-use kv_router_client::{Follower, MatchOptions, Matches, RelayInfo, WorkerInfo, WorkerState};
+use kv_router_client::{Follower, MatchOptions, Matches, RelayInfo, WorkerState};
+
+use crate::liveness::Outcome;
+use crate::policy::Reason;
+use crate::router::{RouteError, RoutedWorker, Router, RouterConfig, Tokens};
 
 /// The largest `/match` request body (token ids of a long prompt fit easily).
 pub const MAX_BODY_BYTES: usize = 16 << 20;
@@ -132,7 +135,7 @@ pub struct MatchResponse {
 #[derive(Serialize)]
 struct WorkerView {
     #[serde(flatten)]
-    worker: WorkerInfo,
+    worker: RoutedWorker,
     epoch: u64,
     cursor: u64,
     relay_newest: u64,
@@ -162,7 +165,13 @@ fn bad_request(msg: impl Into<String>) -> Response {
 /// Answers a match request (the body of `POST /match`).
 pub fn answer_match(follower: &Follower, req: &MatchRequest) -> Result<MatchResponse, String> {
     let opts = req.options()?;
-    let hashes = match (&req.block_hashes, &req.token_ids, &req.hash) {
+    let hashes = request_hashes(req)?;
+    Ok(MatchResponse { blocks: hashes.len(), workers: follower.matches(&hashes, opts) })
+}
+
+/// A request's block hashes: given, or computed from its token ids as the engine does.
+pub fn request_hashes(req: &MatchRequest) -> Result<Vec<u64>, String> {
+    Ok(match (&req.block_hashes, &req.token_ids, &req.hash) {
         (Some(h), None, None) => h.clone(),
         (None, Some(tokens), Some(settings)) => {
             let engine = settings.resolve()?;
@@ -177,28 +186,119 @@ pub fn answer_match(follower: &Follower, req: &MatchRequest) -> Result<MatchResp
         }
         (None, Some(_), None) => return Err("token_ids need the engine's hash settings in \"hash\"".into()),
         _ => return Err("give either \"block_hashes\", or \"token_ids\" with \"hash\"".into()),
-    };
-    Ok(MatchResponse { blocks: hashes.len(), workers: follower.matches(&hashes, opts) })
+    })
 }
 
-async fn post_match(State(f): State<Arc<Follower>>, body: Bytes) -> Response {
+async fn post_match(State(r): State<Arc<Router>>, body: Bytes) -> Response {
     let req: MatchRequest = match serde_json::from_slice(&body) {
         Ok(r) => r,
         Err(e) => return bad_request(format!("invalid request: {e}")),
     };
-    match answer_match(&f, &req) {
+    match answer_match(r.follower(), &req) {
         Ok(r) => json(StatusCode::OK, &r),
         Err(e) => bad_request(e),
     }
 }
 
-async fn get_workers(State(f): State<Arc<Follower>>) -> Response {
+#[derive(Serialize)]
+struct RouteFailure<'a> {
+    error: String,
+    /// `no_worker` or `shed`.
+    reason: &'a str,
+}
+
+async fn post_route(State(r): State<Arc<Router>>, body: Bytes) -> Response {
+    let req: MatchRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("invalid request: {e}")),
+    };
+    if let Err(e) = req.options() {
+        return bad_request(e);
+    }
+    let hashes = match request_hashes(&req) {
+        Ok(h) => h,
+        Err(e) => return bad_request(e),
+    };
+    match r.route(&hashes) {
+        Ok(routed) => json(StatusCode::OK, &routed),
+        Err(e @ RouteError::NoWorker { .. }) => {
+            json(StatusCode::SERVICE_UNAVAILABLE, &RouteFailure { error: e.to_string(), reason: "no_worker" })
+        }
+        Err(e @ RouteError::Shed) => {
+            json(StatusCode::SERVICE_UNAVAILABLE, &RouteFailure { error: e.to_string(), reason: "shed" })
+        }
+        Err(RouteError::Hash(e)) => bad_request(e),
+    }
+}
+
+/// A `POST /route/report` request: how a routed request ended.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReportRequest {
+    /// The `request_id` `/route` answered.
+    pub request_id: u64,
+    /// `done` (the engine answered, whatever its status), `failed` (after the engine's first
+    /// byte), or `connect_failed` (refused, reset or timed out before it: the worker leaves
+    /// routing).
+    pub outcome: ReportOutcome,
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// The engine's `usage.prompt_tokens_details.cached_tokens`, when it sent it.
+    #[serde(default)]
+    pub cached_tokens: Option<u64>,
+}
+
+/// How a routed request ended, as `POST /route/report` spells it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ReportOutcome {
+    Done,
+    Failed,
+    ConnectFailed,
+}
+
+impl From<ReportOutcome> for Outcome {
+    fn from(o: ReportOutcome) -> Self {
+        match o {
+            ReportOutcome::Done => Outcome::Done,
+            ReportOutcome::Failed => Outcome::Failed { connect: false },
+            ReportOutcome::ConnectFailed => Outcome::Failed { connect: true },
+        }
+    }
+}
+
+async fn post_report(State(r): State<Arc<Router>>, body: Bytes) -> Response {
+    let req: ReportRequest = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => return bad_request(format!("invalid request: {e}")),
+    };
+    let tokens = Tokens {
+        prompt_tokens: req.prompt_tokens,
+        completion_tokens: req.completion_tokens,
+        cached_tokens: req.cached_tokens,
+    };
+    match r.report(req.request_id, req.outcome.into(), tokens) {
+        Ok(at) => json(StatusCode::OK, &at),
+        Err(e) => {
+            #[derive(Serialize)]
+            struct Error {
+                error: String,
+            }
+            json(StatusCode::NOT_FOUND, &Error { error: e.to_string() })
+        }
+    }
+}
+
+async fn get_workers(State(router): State<Arc<Router>>) -> Response {
+    let f = router.follower();
     let relays = f.relays();
-    let workers = f
+    let workers = router
         .workers()
         .into_iter()
         .map(|w| {
-            let r = relays.iter().find(|r| r.url == w.relay);
+            let r = relays.iter().find(|r| r.url == w.worker.relay);
             WorkerView {
                 epoch: r.map_or(0, |r| r.epoch),
                 cursor: r.map_or(0, |r| r.cursor),
@@ -210,8 +310,47 @@ async fn get_workers(State(f): State<Arc<Follower>>) -> Response {
     json(StatusCode::OK, &WorkersResponse { relays, workers })
 }
 
-async fn get_metrics(State(f): State<Arc<Follower>>) -> Response {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], prometheus_text(&f)).into_response()
+async fn get_metrics(State(r): State<Arc<Router>>) -> Response {
+    let mut text = prometheus_text(r.follower());
+    routing_text(&r, &mut text);
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The router's routing metrics in the Prometheus text format, appended to `out`.
+pub fn routing_text(r: &Router, out: &mut String) {
+    let c = r.counters();
+    let _ = writeln!(out, "# HELP kv_router_routed_total Requests routed, by why the worker was chosen.");
+    let _ = writeln!(out, "# TYPE kv_router_routed_total counter");
+    for reason in Reason::ALL {
+        let _ = writeln!(out, "kv_router_routed_total{{reason=\"{}\"}} {}", reason.as_str(), c.routed[reason as usize]);
+    }
+    let t = c.tracker;
+    let counters: [(&str, &str, u64); 12] = [
+        ("route_shed", "Requests refused (HTTP 503): every worker overloaded, shedding on.", c.shed),
+        ("route_no_worker", "Requests with no routable worker (HTTP 503).", c.no_worker),
+        ("worker_outs", "Times a worker left routing.", t.outs),
+        ("worker_probes", "Probe requests sent to workers back on good contact.", t.probes),
+        ("worker_returns", "Probes that succeeded: the worker is back in full routing.", t.returns),
+        ("reports_done", "Routed requests reported done.", t.done),
+        ("reports_connect_failed", "Routed requests that failed to connect.", t.connect_failures),
+        ("reports_failed", "Routed requests that failed after the engine answered.", t.failures),
+        ("requests_forgotten", "Routed requests never reported within the request timeout.", t.forgotten),
+        ("prompt_tokens", "Prompt tokens of the reported requests.", c.prompt_tokens),
+        ("completion_tokens", "Completion tokens of the reported requests.", c.completion_tokens),
+        ("cached_tokens", "Cached prompt tokens the engines reported.", c.cached_tokens),
+    ];
+    for (name, help, v) in counters {
+        write_counter(out, &format!("kv_router_{name}_total"), help, v);
+    }
+    let workers = r.workers();
+    let _ = writeln!(out, "# HELP kv_router_workers_routing Workers by routing state.");
+    let _ = writeln!(out, "# TYPE kv_router_workers_routing gauge");
+    for state in ["routable", "probing", "out"] {
+        let n = workers.iter().filter(|w| w.routing.routing == state).count();
+        let _ = writeln!(out, "kv_router_workers_routing{{routing=\"{state}\"}} {n}");
+    }
+    let _ = writeln!(out, "# HELP kv_router_in_flight Routed requests not yet reported.");
+    let _ = writeln!(out, "# TYPE kv_router_in_flight gauge\nkv_router_in_flight {}", r.in_flight());
 }
 
 fn label(v: &str) -> String {
@@ -315,21 +454,40 @@ fn write_counter(out: &mut String, name: &str, help: &str, v: u64) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter\n{name} {v}");
 }
 
-/// The HTTP routes over a follower.
-pub fn router(follower: Follower) -> Router {
-    Router::new()
+/// What the API serves: a [`Router`], or a [`Follower`] routed with the default settings.
+pub trait IntoRouter {
+    fn into_router(self) -> Arc<Router>;
+}
+
+impl IntoRouter for Arc<Router> {
+    fn into_router(self) -> Arc<Router> {
+        self
+    }
+}
+
+impl IntoRouter for Follower {
+    fn into_router(self) -> Arc<Router> {
+        Arc::new(Router::new(self, RouterConfig::default()))
+    }
+}
+
+/// The HTTP routes over a router.
+pub fn routes(router: impl IntoRouter) -> axum::Router {
+    axum::Router::new()
         .route("/match", post(post_match))
+        .route("/route", post(post_route))
+        .route("/route/report", post(post_report))
         .route("/workers", get(get_workers))
         .route("/metrics", get(get_metrics))
         .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(Arc::new(follower))
+        .with_state(router.into_router())
 }
 
 /// Serves the API on `listener` until `shutdown` completes.
 pub async fn serve(
     listener: TcpListener,
-    follower: Follower,
+    router: impl IntoRouter,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(follower)).with_graceful_shutdown(shutdown).await
+    axum::serve(listener, routes(router)).with_graceful_shutdown(shutdown).await
 }

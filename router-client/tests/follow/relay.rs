@@ -582,8 +582,79 @@ async fn router_http_api_answers_exactly_over_two_relays() {
     let w = v["workers"].as_array().unwrap().iter().find(|w| w["relay"] == r2.url()).unwrap().clone();
     assert_eq!((w["cursor"].as_u64(), w["epoch"].as_u64()), (Some(s2.newest_cursor()), Some(s2.epoch())));
     assert_eq!(w["state"], "fresh");
+    assert_eq!(w["routing"]["routing"], "routable");
+
+    // POST /route: the worker that holds the whole chain in its device tier, at the least
+    // expected wait.
+    let device = |q: &Vec<u64>, k: u32| {
+        let got = naive1.lookup(q);
+        let m = got.get(index.worker(&r1.url(), k).unwrap());
+        m.and_then(|m| m.tiers.iter().find(|r| r.tier == TierId::DEVICE).map(|r| r.blocks)).unwrap_or(0)
+    };
+    let q = t1
+        .chains
+        .iter()
+        .find(|q| (0..2).any(|k| device(q, k) == q.len() as u32))
+        .expect("the first relay still holds a shared chain whole in its device tier");
+    // A chain only the second relay holds goes to an idle worker of the first: 13 queued requests
+    // outweigh its few blocks of prefill.
+    let only2 = shared.iter().find(|q| naive1.lookup(q).is_empty()).expect("a chain the first relay evicted");
+    let (status, text) =
+        http_call(http_addr, "POST", "/route", &serde_json::json!({ "block_hashes": only2 }).to_string()).await;
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (status, v["relay"].as_str(), &v["reason"]),
+        (200, Some(r1.url().as_str()), &"least_wait".into()),
+        "{text}"
+    );
+    let first = v["request_id"].as_u64().unwrap();
+    let (status, _) =
+        http_call(http_addr, "POST", "/route/report", &format!("{{\"request_id\": {first}, \"outcome\": \"done\"}}"))
+            .await;
+    assert_eq!(status, 200);
+    let body = serde_json::json!({ "block_hashes": q }).to_string();
+    let (status, text) = http_call(http_addr, "POST", "/route", &body).await;
+    assert_eq!(status, 200, "{text}");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!((v["relay"].as_str(), v["blocks"].as_u64()), (Some(r1.url().as_str()), Some(q.len() as u64)), "{text}");
+    let rank = v["dp_rank"].as_u64().unwrap() as u32;
+    assert_eq!(device(q, rank), q.len() as u32);
+    assert_eq!(
+        (&v["matched_blocks"], &v["device_blocks"], &v["reason"], &v["policy"], &v["engine_url"]),
+        (&q.len().into(), &q.len().into(), &"cached_prefix".into(), &"cache_aware".into(), &serde_json::Value::Null)
+    );
+    let id = v["request_id"].as_u64().unwrap();
+    let (_, text) = http_call(http_addr, "GET", "/metrics", "").await;
+    assert!(text.contains("kv_router_in_flight 1\n"), "{text}");
+    let report = serde_json::json!({
+        "request_id": id, "outcome": "done", "prompt_tokens": 64, "completion_tokens": 8, "cached_tokens": 48
+    })
+    .to_string();
+    let (status, text) = http_call(http_addr, "POST", "/route/report", &report).await;
+    assert_eq!((status, text), (200, format!("{{\"relay\":\"{}\",\"dp_rank\":{rank}}}", r1.url())));
+    let (status, text) = http_call(http_addr, "POST", "/route/report", &report).await;
+    assert_eq!(
+        (status, text),
+        (
+            404,
+            format!("{{\"error\":\"no routed request {id} is in flight (unknown, already reported, or forgotten)\"}}")
+        )
+    );
+    let (status, text) =
+        http_call(http_addr, "POST", "/route/report", &format!("{{\"request_id\": {id}, \"outcome\": \"lost\"}}"))
+            .await;
+    assert_eq!(status, 400, "{text}");
+    let (status, text) = http_call(http_addr, "POST", "/route", r#"{"token_ids": [1, 2]}"#).await;
+    assert_eq!(status, 400, "{text}");
 
     let (status, text) = http_call(http_addr, "GET", "/metrics", "").await;
+    assert!(text.contains("kv_router_routed_total{reason=\"cached_prefix\"} 1\n"), "{text}");
+    assert!(text.contains("kv_router_routed_total{reason=\"least_wait\"} 1\n"), "{text}");
+    assert!(text.contains("kv_router_reports_done_total 2\n"), "{text}");
+    assert!(text.contains("kv_router_prompt_tokens_total 64\n"), "{text}");
+    assert!(text.contains("kv_router_cached_tokens_total 48\n"), "{text}");
+    assert!(text.contains("kv_router_in_flight 0\n"), "{text}");
+    assert!(text.contains("kv_router_workers_routing{routing=\"routable\"} 3\n"), "{text}");
     assert_eq!(status, 200);
     assert!(text.contains(&format!("kv_router_records_applied_total {}\n", rec1.len() + rec2.len())), "{text}");
     assert!(text.contains("kv_router_workers{state=\"fresh\"} 3\n"), "{text}");

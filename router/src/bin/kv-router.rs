@@ -17,7 +17,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser as _;
 use kv_router::cli::Args;
-use kv_router::http;
+use kv_router::{http, CacheAwareConfig, Overload, Router, RouterConfig, TrackerConfig};
 use kv_router_client::discovery::{parse_relays_file, Discovery, DnsName, SystemResolver};
 use kv_router_client::{validate_url, FollowConfig, Follower};
 
@@ -32,6 +32,7 @@ struct Config {
     http_threads: usize,
     stream_niceness: u8,
     follow: FollowConfig,
+    routing: RouterConfig,
 }
 
 fn config(args: Args) -> anyhow::Result<Config> {
@@ -53,7 +54,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
         None => None,
     };
     let follow = FollowConfig {
-        stale_after: Duration::from_millis(args.stale_after_ms),
+        stale_after: Duration::from_secs_f64(args.worker_stall_secs),
         receive_timeout: Duration::from_millis(args.receive_timeout_ms.max(1)),
         bearer_token: args.relay_token,
         tls_ca_pem,
@@ -71,11 +72,33 @@ fn config(args: Args) -> anyhow::Result<Config> {
         http_threads: args.http_threads as usize,
         stream_niceness: args.stream_niceness,
         follow,
+        routing: RouterConfig {
+            policy: args.policy,
+            cache_aware: CacheAwareConfig {
+                host_discount: args.host_discount,
+                prefill_us_per_block: args.prefill_us_per_block,
+                queue_us_per_request: args.queue_us_per_request,
+                warm_share: args.warm_share,
+                overload: Overload {
+                    enabled: !args.no_overload_protection,
+                    kv_usage: args.overload_kv_usage,
+                    waiting: args.overload_waiting,
+                    shed: args.shed,
+                },
+                ..CacheAwareConfig::default()
+            },
+            tracker: TrackerConfig {
+                retry_after: Duration::from_millis(args.retry_after_ms),
+                ..TrackerConfig::default()
+            },
+            ..RouterConfig::default()
+        },
     })
 }
 
 async fn run(cfg: Config) -> anyhow::Result<()> {
     let follower = Follower::new(cfg.follow);
+    let router = Arc::new(Router::new(follower.clone(), cfg.routing));
     let mut discovery = Discovery::new(follower.clone(), Arc::new(SystemResolver)).with_grace(cfg.grace);
     for r in &cfg.relays {
         discovery.add_url(r).with_context(|| format!("relay {r}"))?;
@@ -94,8 +117,8 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut http = serve_http(listener, follower.clone(), cfg.http_threads, stopped)?;
-    println!("kv-router listening on http://{addr} following {following} relay(s)");
+    let mut http = serve_http(listener, router.clone(), cfg.http_threads, stopped)?;
+    println!("kv-router listening on http://{addr} following {following} relay(s), policy {}", router.policy());
     tracing::info!(%addr, relays = following, http_threads = cfg.http_threads, "listening");
     let rediscover = changing.then(|| {
         let interval = cfg.interval;
@@ -125,7 +148,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 /// `stop` fires; the receiver gets the server's result when it ends.
 fn serve_http(
     listener: std::net::TcpListener,
-    follower: Follower,
+    router: Arc<Router>,
     threads: usize,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<std::io::Result<()>>> {
@@ -144,7 +167,7 @@ fn serve_http(
         .spawn(move || {
             let r = rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                http::serve(listener, follower, async move {
+                http::serve(listener, router, async move {
                     let _ = stop.await;
                 })
                 .await
