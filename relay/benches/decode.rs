@@ -175,7 +175,7 @@ fn records(fixtures: &[Fixture]) -> Vec<Record> {
         for m in &f.messages {
             if let Decoded::Batch { normalized, .. } = capture::decode_message(&mut norm, m) {
                 let load = Load { running: 3.0, waiting: 1.0, kv_usage: 0.42, scraped_at_ms: 1_764_000_000_000 };
-                let body = RecordBody::Batch { batch: normalized.batch, load: Some(load) };
+                let body = RecordBody::Batch { batch: normalized.batch, load: Some(load), liveness: None };
                 out.push(Record { cursor: out.len() as u64 + 1, incarnation: 1, body });
             }
         }

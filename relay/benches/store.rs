@@ -51,6 +51,7 @@ fn fill_batch(i: u64) -> RecordBody {
     RecordBody::Batch {
         batch: Batch { dp_rank: (i % RANKS) as u32, seq: i / RANKS, ts: i as f64, events: vec![stored(i)] },
         load: Some(Load { running: 3.0, waiting: 1.0, kv_usage: 0.5, scraped_at_ms: i }),
+        liveness: None,
     }
 }
 
@@ -72,6 +73,7 @@ fn churn_batch(i: u64, old: u64) -> RecordBody {
             events: vec![Event::Stored(s), Event::Removed(removed)],
         },
         load: None,
+        liveness: None,
     }
 }
 
@@ -86,7 +88,7 @@ fn replace_batch(i: u64, remove_previous: bool) -> RecordBody {
         let block_hashes = prev.blocks.iter().take(BLOCKS_PER_BATCH as usize / 2).map(|b| b.hash).collect();
         events.push(Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes, ownership: None }));
     }
-    RecordBody::Batch { batch: Batch { dp_rank: 0, seq: i, ts: i as f64, events }, load: None }
+    RecordBody::Batch { batch: Batch { dp_rank: 0, seq: i, ts: i as f64, events }, load: None, liveness: None }
 }
 
 fn rss_kib() -> (u64, u64) {

@@ -16,7 +16,7 @@
 //!
 //! [`IngestConfig::queue`]: crate::ingest::IngestConfig::queue
 
-use crate::ingest::{self, load::Loads, Closed, IngestItem, Sink};
+use crate::ingest::{self, liveness::Livenesses, load::Loads, Closed, IngestItem, Sink};
 use crate::model::{Control, ControlKind, RecordBody};
 use crate::server::status::{RankState, RelayStatusHandle};
 use crate::store::{Store, StoreError};
@@ -36,12 +36,13 @@ pub const STORE_FAILED_EXIT_AFTER: Duration = Duration::from_secs(5);
 /// How long a lag stays reported after its batch was committed.
 const LAG_WINDOW: Duration = Duration::from_secs(2);
 
-/// What every rank's committer shares: the store, the engine's loads, the status, and the
+/// What every rank's committer shares: the store, the engine's loads and liveness, the status, and the
 /// store's failure (set once, by the first rank that gives up on it).
 #[derive(Clone)]
 pub struct Commits {
     store: Store,
     loads: Arc<RwLock<Loads>>,
+    liveness: Livenesses,
     status: RelayStatusHandle,
     failed: Arc<Failure>,
     /// Set when the relay stops: a commit the store refuses is given up instead of retried
@@ -57,10 +58,10 @@ struct Failure {
 }
 
 impl Commits {
-    pub fn new(store: Store, loads: Arc<RwLock<Loads>>, status: RelayStatusHandle) -> Commits {
+    pub fn new(store: Store, loads: Arc<RwLock<Loads>>, liveness: Livenesses, status: RelayStatusHandle) -> Commits {
         let failed =
             Failure { set: AtomicBool::new(false), error: Mutex::default(), tx: tokio::sync::watch::channel(false).0 };
-        Commits { store, loads, status, failed: Arc::new(failed), stopping: Arc::default() }
+        Commits { store, loads, liveness, status, failed: Arc::new(failed), stopping: Arc::default() }
     }
 
     /// The relay is stopping: a commit the store refuses (a full disk) is no longer retried,
@@ -120,7 +121,8 @@ impl Sink for RankCommitter {
             IngestItem::Batch { batch, .. } => {
                 let load = ingest::load::for_rank(&self.commits.loads.read().expect("loads"), batch.dp_rank);
                 self.batches.push((batch.dp_rank, batch.seq, batch.ts));
-                RecordBody::Batch { batch, load }
+                let liveness = self.commits.liveness.read().expect("liveness").get(&batch.dp_rank).cloned();
+                RecordBody::Batch { batch, load, liveness }
             }
             IngestItem::Control(c) => RecordBody::Control(c),
         });
@@ -329,7 +331,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(StoreConfig::new(dir.path())).unwrap();
         let status = RelayStatusHandle::new("test");
-        let mut sink = Commits::new(store.clone(), Arc::default(), status.clone()).for_rank(1, 8);
+        let mut sink = Commits::new(store.clone(), Arc::default(), Arc::default(), status.clone()).for_rank(1, 8);
         // Held until the flush: the three go to the store as one group.
         for item in
             [stored(10, Tier::Device, 1), stored(11, Tier::Other("m".repeat(70_000)), 2), stored(12, Tier::Device, 3)]
@@ -362,7 +364,7 @@ mod tests {
     fn a_full_group_is_committed_and_ranks_commit_side_by_side() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(StoreConfig::new(dir.path())).unwrap();
-        let commits = Commits::new(store.clone(), Arc::default(), RelayStatusHandle::new("test"));
+        let commits = Commits::new(store.clone(), Arc::default(), Arc::default(), RelayStatusHandle::new("test"));
         let mut one = commits.for_rank(1, 3);
         one.put(stored(0, Tier::Device, 1)).unwrap();
         one.put(stored(1, Tier::Device, 2)).unwrap();

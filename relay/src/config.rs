@@ -40,6 +40,22 @@ pub struct Args {
     /// The engine's Prometheus endpoint, for its load (running and waiting requests, KV usage).
     #[arg(long, env = "KV_RELAY_ENGINE_METRICS_URL")]
     pub engine_metrics_url: Option<String>,
+    /// The engine's base URL (`http://host:port`), which routers send requests to: the relay
+    /// reports it in `Status`. Default: the scheme and host of `--engine-metrics-url` (vLLM and
+    /// SGLang serve their metrics and their API on one port).
+    #[arg(long, env = "KV_RELAY_ENGINE_URL")]
+    pub engine_url: Option<String>,
+    /// The engine's health endpoint, probed every second for its liveness (with its progress
+    /// counters and its KV events). Default: `<engine-url>/health`; `off` watches nothing.
+    #[arg(long, env = "KV_RELAY_ENGINE_HEALTH_URL")]
+    pub engine_health_url: Option<String>,
+    /// A rank with requests running whose progress counters and KV events stand still this long
+    /// (seconds) is `wedged`.
+    #[arg(long, env = "KV_RELAY_ENGINE_WEDGE_SECS", default_value_t = 3.0)]
+    pub engine_wedge_secs: f64,
+    /// A health probe unanswered after this long (milliseconds) finds the engine `unreachable`.
+    #[arg(long, env = "KV_RELAY_ENGINE_HEALTH_TIMEOUT_MS", default_value_t = 1000)]
+    pub engine_health_timeout_ms: u64,
     /// How often the engine's load is scraped, in milliseconds.
     #[arg(long, env = "KV_RELAY_LOAD_POLL_MS", default_value_t = 250)]
     pub load_poll_ms: u64,
@@ -167,11 +183,30 @@ fn bad(setting: &'static str, why: impl Into<String>) -> ConfigError {
     ConfigError { setting, why: why.into() }
 }
 
+/// How the engine's liveness is watched.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LivenessConfig {
+    pub health_url: String,
+    pub wedge_after: Duration,
+    pub probe_timeout: Duration,
+}
+
+/// `http://host:port` of a URL (its path dropped).
+fn base_url(url: &str) -> Option<String> {
+    let rest = url.strip_prefix("http://")?;
+    let host = rest.split('/').next().filter(|h| !h.is_empty())?;
+    Some(format!("http://{host}"))
+}
+
 /// Validated settings.
 #[derive(Debug, Clone)]
 pub struct Config {
     pub ingest: IngestConfig,
     pub engine_metrics_url: Option<String>,
+    /// The engine's base URL, reported in `Status`.
+    pub engine_url: Option<String>,
+    /// The engine's liveness watch; `None` when there is no health endpoint.
+    pub liveness: Option<LivenessConfig>,
     pub load_poll: Duration,
     pub heartbeat: Duration,
     pub state_dir: PathBuf,
@@ -227,6 +262,33 @@ impl Args {
         if let Some(url) = &self.engine_metrics_url {
             crate::ingest::load::split_url(url).map_err(|e| bad("engine-metrics-url", e.to_string()))?;
         }
+        let engine_url = match &self.engine_url {
+            Some(u) => {
+                let u = u.trim().trim_end_matches('/').to_string();
+                crate::ingest::load::split_url(&u).map_err(|e| bad("engine-url", e.to_string()))?;
+                Some(u)
+            }
+            None => self.engine_metrics_url.as_deref().and_then(base_url),
+        };
+        if !self.engine_wedge_secs.is_finite() || self.engine_wedge_secs <= 0.0 {
+            return Err(bad("engine-wedge-secs", "must be a number above 0"));
+        }
+        if self.engine_health_timeout_ms == 0 {
+            return Err(bad("engine-health-timeout-ms", "must be above 0"));
+        }
+        let health_url = match self.engine_health_url.as_deref().map(str::trim) {
+            Some("off") => None,
+            Some(u) => {
+                crate::ingest::load::split_url(u).map_err(|e| bad("engine-health-url", e.to_string()))?;
+                Some(u.to_string())
+            }
+            None => engine_url.as_ref().map(|u| format!("{u}/health")),
+        };
+        let liveness = health_url.map(|health_url| LivenessConfig {
+            health_url,
+            wedge_after: Duration::from_secs_f64(self.engine_wedge_secs),
+            probe_timeout: Duration::from_millis(self.engine_health_timeout_ms),
+        });
         if self.load_poll_ms == 0 {
             return Err(bad("load-poll-ms", "must be above 0"));
         }
@@ -286,6 +348,8 @@ impl Args {
                 hash_check,
             },
             engine_metrics_url: self.engine_metrics_url.clone(),
+            engine_url,
+            liveness,
             load_poll: Duration::from_millis(self.load_poll_ms),
             heartbeat: Duration::from_millis(self.heartbeat_ms),
             state_dir,
@@ -418,6 +482,41 @@ mod tests {
         assert_eq!((c.history_batches, c.history_bytes, c.store_cache_bytes), (10_000, 256 << 20, 64 << 20));
         assert_eq!(c.load_poll, Duration::from_millis(250));
         assert_eq!(c.heartbeat, Duration::from_secs(1));
+        assert_eq!((c.engine_url, c.liveness), (None, None));
+    }
+
+    #[test]
+    fn the_engine_url_and_its_health_endpoint_follow_the_metrics_url() {
+        let c = args(&["--engine-metrics-url", "http://10.0.0.7:8000/metrics"]).validate().unwrap();
+        assert_eq!(c.engine_url.as_deref(), Some("http://10.0.0.7:8000"));
+        assert_eq!(
+            c.liveness,
+            Some(LivenessConfig {
+                health_url: "http://10.0.0.7:8000/health".into(),
+                wedge_after: Duration::from_secs(3),
+                probe_timeout: Duration::from_secs(1),
+            })
+        );
+        let c = args(&[
+            "--engine-metrics-url",
+            "http://10.0.0.7:8000/metrics",
+            "--engine-url",
+            "http://engine:9000/",
+            "--engine-wedge-secs",
+            "1.5",
+            "--engine-health-timeout-ms",
+            "300",
+        ])
+        .validate()
+        .unwrap();
+        assert_eq!(c.engine_url.as_deref(), Some("http://engine:9000"));
+        let l = c.liveness.unwrap();
+        assert_eq!(l.health_url, "http://engine:9000/health");
+        assert_eq!((l.wedge_after, l.probe_timeout), (Duration::from_millis(1500), Duration::from_millis(300)));
+        let c = args(&["--engine-url", "http://e:1", "--engine-health-url", "http://e:2/healthz"]).validate().unwrap();
+        assert_eq!(c.liveness.unwrap().health_url, "http://e:2/healthz");
+        let c = args(&["--engine-url", "http://e:1", "--engine-health-url", "off"]).validate().unwrap();
+        assert_eq!((c.engine_url.as_deref(), c.liveness), (Some("http://e:1"), None));
     }
 
     #[test]
@@ -434,6 +533,10 @@ mod tests {
             (&["--endpoint", "ipc:///tmp/kv", "--dp-size", "2"], "endpoint"),
             (&["--replay-endpoint", "tcp://127.0.0.1:5558", "--dp-size", "2"], "replay-endpoint"),
             (&["--engine-metrics-url", "https://x/metrics"], "engine-metrics-url"),
+            (&["--engine-url", "https://x"], "engine-url"),
+            (&["--engine-health-url", "ftp://x/health"], "engine-health-url"),
+            (&["--engine-wedge-secs", "0"], "engine-wedge-secs"),
+            (&["--engine-health-timeout-ms", "0"], "engine-health-timeout-ms"),
             (&["--history-bytes", "1000"], "history-bytes"),
             (&["--metrics-listen", "nowhere"], "metrics-listen"),
             (&["--log-format", "xml"], "log-format"),

@@ -141,6 +141,10 @@ const KEYS: &[(&str, &str, &str)] = &[
     ("dp_ranks", "dp_ranks", "dp-ranks"),
     ("topic", "topic", "topic"),
     ("engine_metrics_url", "engine_metrics_url", "engine-metrics-url"),
+    ("engine_url", "engine_url", "engine-url"),
+    ("engine_health_url", "engine_health_url", "engine-health-url"),
+    ("engine_wedge_secs", "engine_wedge_secs", "engine-wedge-secs"),
+    ("engine_health_timeout_ms", "engine_health_timeout_ms", "engine-health-timeout-ms"),
     ("load_poll_ms", "load_poll_ms", "load-poll-ms"),
     ("heartbeat_ms", "heartbeat_ms", "heartbeat-ms"),
     ("state_dir", "state_dir", "state-dir"),
@@ -226,6 +230,15 @@ fn set(args: &mut Args, id: &str, setting: &'static str, at: &At<'_>, v: &Value)
         }
         "topic" => args.topic = string()?,
         "engine_metrics_url" => args.engine_metrics_url = Some(string()?),
+        "engine_url" => args.engine_url = Some(string()?),
+        "engine_health_url" => args.engine_health_url = Some(string()?),
+        "engine_wedge_secs" => {
+            args.engine_wedge_secs = v
+                .as_float()
+                .or_else(|| v.as_integer().map(|i| i as f64))
+                .ok_or_else(|| at.err(setting, "a number of seconds", v))?
+        }
+        "engine_health_timeout_ms" => args.engine_health_timeout_ms = uint(u64::MAX)?,
         "load_poll_ms" => args.load_poll_ms = uint(u64::MAX)?,
         "heartbeat_ms" => args.heartbeat_ms = uint(u64::MAX)?,
         "state_dir" => args.state_dir = Some(path()?),
@@ -302,6 +315,18 @@ pub fn effective_toml(c: &Config) -> String {
     match &c.engine_metrics_url {
         Some(u) => _ = writeln!(o, "engine_metrics_url = {}", q(&redact_url(u))),
         None => _ = writeln!(o, "# engine_metrics_url: not set (no engine load)"),
+    }
+    match &c.engine_url {
+        Some(u) => _ = writeln!(o, "engine_url = {}", q(&redact_url(u))),
+        None => _ = writeln!(o, "# engine_url: not set (routers learn no engine URL)"),
+    }
+    match &c.liveness {
+        Some(l) => {
+            let _ = writeln!(o, "engine_health_url = {}", q(&redact_url(&l.health_url)));
+            let _ = writeln!(o, "engine_wedge_secs = {:?}", l.wedge_after.as_secs_f64());
+            let _ = writeln!(o, "engine_health_timeout_ms = {}", ms(l.probe_timeout));
+        }
+        None => _ = writeln!(o, "engine_health_url = \"off\" # the engine's liveness is not watched"),
     }
     let _ = writeln!(o, "load_poll_ms = {}", ms(c.load_poll));
     let _ = writeln!(o, "heartbeat_ms = {}", ms(c.heartbeat));

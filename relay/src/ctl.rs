@@ -149,6 +149,31 @@ fn load_json(l: Option<&pb::Load>) -> Value {
     }
 }
 
+fn liveness_name(l: Option<&pb::Liveness>) -> &'static str {
+    let state = l.map_or(pb::EngineLiveness::Unspecified, |l| {
+        pb::EngineLiveness::try_from(l.state).unwrap_or(pb::EngineLiveness::Unspecified)
+    });
+    match state {
+        pb::EngineLiveness::Unspecified => "-",
+        pb::EngineLiveness::Alive => "alive",
+        pb::EngineLiveness::Unreachable => "unreachable",
+        pb::EngineLiveness::Wedged => "wedged",
+        pb::EngineLiveness::Stopped => "stopped",
+    }
+}
+
+fn liveness_json(l: Option<&pb::Liveness>) -> Value {
+    match l {
+        Some(v) => json!({
+            "state": liveness_name(l),
+            "reason": v.reason,
+            "since_ms": v.since_ms,
+            "observed_at_ms": v.observed_at_ms,
+        }),
+        None => Value::Null,
+    }
+}
+
 fn bytes(n: u64) -> String {
     const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
     let mut v = n as f64;
@@ -170,6 +195,7 @@ pub fn status_json(url: &str, s: &pb::StatusResponse) -> Value {
         "relay": url,
         "relay_version": s.relay_version,
         "engine": s.engine,
+        "engine_url": (!s.engine_url.is_empty()).then_some(&s.engine_url),
         "epoch": format!("{:016x}", s.epoch),
         "incarnation": s.incarnation,
         "oldest_cursor": s.oldest_cursor,
@@ -185,6 +211,7 @@ pub fn status_json(url: &str, s: &pb::StatusResponse) -> Value {
                 "last_engine_seq": r.last_engine_seq,
                 "lag_ms": r.lag_ms,
                 "load": load_json(r.load.as_ref()),
+                "liveness": liveness_json(r.liveness.as_ref()),
             });
             // Only where the relay checks the engine's block hashes.
             if let Some(h) = &r.hash_check {
@@ -206,26 +233,37 @@ pub fn status_table(url: &str, s: &pb::StatusResponse) -> String {
     let mut o = String::new();
     let _ = writeln!(o, "relay        {url} (kv-relay {})", s.relay_version);
     let _ = writeln!(o, "engine       {}", s.engine);
+    if !s.engine_url.is_empty() {
+        let _ = writeln!(o, "engine url   {}", s.engine_url);
+    }
     let _ = writeln!(o, "epoch        {:016x}  incarnation {}", s.epoch, s.incarnation);
     let _ = writeln!(o, "cursors      oldest {}  newest {}", s.oldest_cursor, s.newest_cursor);
     let _ = writeln!(o, "history      {} records, {}", s.history_records, bytes(s.history_bytes));
     let _ = writeln!(o, "subscribers  {}", s.subscribers);
     let _ = writeln!(o);
-    let _ = writeln!(o, "RANK  STATE       LAST SEQ     LAG  RUNNING  WAITING  KV USE  REASON");
+    let _ = writeln!(o, "RANK  STATE      ENGINE       LAST SEQ     LAG  RUNNING  WAITING  KV USE  REASON");
     for r in &s.ranks {
         let (run, wait, kv) = r.load.as_ref().map_or(("-".into(), "-".into(), "-".into()), |l| {
             (format!("{}", l.running), format!("{}", l.waiting), format!("{:.1}%", l.kv_usage * 100.0))
         });
+        // The rank's own reason, then the engine's when it is not alive, with how long.
+        let mut reason = r.reason.clone();
+        if let Some(l) = r.liveness.as_ref().filter(|l| l.state != pb::EngineLiveness::Alive as i32 && l.state != 0) {
+            let secs = l.observed_at_ms.saturating_sub(l.since_ms) as f64 / 1000.0;
+            let engine = format!("engine {} for {secs:.1} s: {}", liveness_name(Some(l)), l.reason);
+            reason = if reason.is_empty() { engine } else { format!("{reason}; {engine}") };
+        }
         let line = format!(
-            "{:<5} {:<10} {:>9} {:>7} {:>8} {:>8} {:>7}  {}",
+            "{:<5} {:<10} {:<11} {:>9} {:>7} {:>8} {:>8} {:>7}  {}",
             r.dp_rank,
             state_name(r.state),
+            liveness_name(r.liveness.as_ref()),
             r.last_engine_seq,
             format!("{}ms", r.lag_ms),
             run,
             wait,
             kv,
-            r.reason
+            reason
         );
         // No trailing blanks when a rank has no reason.
         let _ = writeln!(o, "{}", line.trim_end());
@@ -284,6 +322,7 @@ pub fn batch_json(b: &pb::Batch) -> Value {
         "engine_ts": b.engine_ts,
         "events": events,
         "load": load_json(b.load.as_ref()),
+        "liveness": liveness_json(b.liveness.as_ref()),
     })
 }
 
@@ -493,6 +532,43 @@ mod tests {
             }],
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn the_engines_liveness_is_shown_with_its_reason_and_age() {
+        let mut s = status(None);
+        s.engine_url = "http://10.0.0.1:8000".into();
+        s.ranks.push(pb::RankStatus {
+            dp_rank: 1,
+            state: pb::RankState::Ok as i32,
+            liveness: Some(pb::Liveness {
+                state: pb::EngineLiveness::Wedged as i32,
+                reason: "requests running, no progress for 4.0 s".into(),
+                since_ms: 10_000,
+                observed_at_ms: 11_500,
+            }),
+            ..Default::default()
+        });
+        s.ranks[0].liveness = Some(pb::Liveness { state: pb::EngineLiveness::Alive as i32, ..Default::default() });
+        let table = status_table("u", &s);
+        assert!(table.contains("\nengine url   http://10.0.0.1:8000\n"), "{table}");
+        let rows: Vec<&str> = table.lines().skip_while(|l| !l.starts_with("RANK")).take(3).collect();
+        assert_eq!(
+            rows,
+            [
+                "RANK  STATE      ENGINE       LAST SEQ     LAG  RUNNING  WAITING  KV USE  REASON",
+                "0     ok         alive               0     0ms        -        -       -",
+                "1     ok         wedged              0     0ms        -        -       -  engine wedged for 1.5 s: requests running, no progress for 4.0 s",
+            ]
+        );
+        let j = status_json("u", &s);
+        assert_eq!(j["engine_url"], json!("http://10.0.0.1:8000"));
+        assert_eq!(
+            j["ranks"][1]["liveness"],
+            json!({"state": "wedged", "reason": "requests running, no progress for 4.0 s", "since_ms": 10_000, "observed_at_ms": 11_500})
+        );
+        assert_eq!(status_json("u", &status(None))["ranks"][0]["liveness"], Value::Null);
+        assert_eq!(status_json("u", &status(None))["engine_url"], Value::Null);
     }
 
     #[test]

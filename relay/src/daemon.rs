@@ -6,12 +6,15 @@
 //!   the store as one group. When the store fails (disk full, read-only), the thread keeps the
 //!   records, counts the error, and retries with backoff: its SUB queue then backs up onto the
 //!   engine's socket, and nothing is dropped.
-//! * The **load scraper** polls the engine's `/metrics`.
+//! * The **load scraper** polls the engine's `/metrics` (its load, and its progress counters).
+//! * The **engine watch** (`crate::watch`) probes its health endpoint and judges each rank's
+//!   liveness, which every batch, heartbeat and `Status` then carries.
 //! * **Heartbeats**: every `heartbeat` interval, each rank that has been quiet that long gets a
 //!   heartbeat with its load, live only (not in the history).
 
 use crate::commit::Commits;
 use crate::config::Config;
+use crate::ingest::liveness::{Livenesses, Progress};
 use crate::ingest::{self, load::Loads, Ingest, Resume};
 use crate::model::Load;
 use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
@@ -19,7 +22,7 @@ use crate::server::{self, ServerConfig};
 use crate::store::{CheckpointPolicy, HistoryLimits, Store, StoreConfig, StoreError};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::broadcast;
 
@@ -95,15 +98,18 @@ pub async fn run(
         .collect();
     let status = RelayStatusHandle::new(engine_name(&cfg));
     status.add_ranks(cfg.ingest.dp_ranks.iter().copied());
+    status.set_engine_url(cfg.engine_url.clone());
     // Where each rank stands after a restart, before its next batch is committed.
     for (&r, res) in &resume {
         status.batch_committed(r, res.last_seq, 0);
     }
     let loads: Arc<RwLock<Loads>> = Arc::default();
+    let progress: Arc<Mutex<Progress>> = Arc::default();
+    let liveness: Livenesses = Arc::default();
     let notices = notice_channel();
     // Each rank's thread commits its own batches; set when the store failed for good (see
     // `commit::STORE_FAILED_EXIT_AFTER`).
-    let commits = Commits::new(store.clone(), loads.clone(), status.clone());
+    let commits = Commits::new(store.clone(), loads.clone(), liveness.clone(), status.clone());
     let mut failed_rx = commits.failed();
     let ctx = zmq::Context::new();
     let group = cfg.ingest.queue;
@@ -117,7 +123,20 @@ pub async fn run(
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     if let Some(url) = cfg.engine_metrics_url.clone() {
-        tasks.push(tokio::spawn(scrape_loop(url, cfg.load_poll, loads.clone(), status.clone(), stop_rx.clone())));
+        let scrape = Scrape { url, every: cfg.load_poll, loads: loads.clone(), progress: progress.clone() };
+        tasks.push(tokio::spawn(scrape_loop(scrape, status.clone(), stop_rx.clone())));
+    }
+    if let Some(lc) = cfg.liveness.clone() {
+        let watch = crate::watch::Watch {
+            cfg: lc,
+            ranks: ingest.status.clone(),
+            loads: loads.clone(),
+            progress: progress.clone(),
+            liveness: liveness.clone(),
+            status: status.clone(),
+            notices: notices.clone(),
+        };
+        tasks.push(tokio::spawn(watch.run(stop_rx.clone())));
     }
     tasks.push(tokio::spawn(heartbeat_loop(
         cfg.heartbeat,
@@ -239,13 +258,16 @@ async fn status_loop(
     }
 }
 
-async fn scrape_loop(
+/// What the load scraper reads and where it writes.
+struct Scrape {
     url: String,
     every: Duration,
     loads: Arc<RwLock<Loads>>,
-    status: RelayStatusHandle,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+    progress: Arc<Mutex<Progress>>,
+}
+
+async fn scrape_loop(sc: Scrape, status: RelayStatusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
+    let Scrape { url, every, loads, progress } = sc;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
@@ -256,7 +278,9 @@ async fn scrape_loop(
         }
         match ingest::load::scrape(&url, every.max(Duration::from_secs(1))).await {
             Ok(text) => {
-                *loads.write().expect("loads") = ingest::load::parse(&text, now_ms());
+                let now = now_ms();
+                *loads.write().expect("loads") = ingest::load::parse(&text, now);
+                progress.lock().expect("progress").observe(now, &ingest::load::progress(&text));
                 if failing {
                     tracing::info!(%url, "engine metrics reachable again");
                 }

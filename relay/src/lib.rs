@@ -24,6 +24,7 @@
 //! - [`config_file`]: the TOML configuration file, the precedence of flags, environment, file and
 //!   defaults, and the effective configuration `check-config` prints.
 //! - [`daemon`]: `run(config, shutdown)`: ingest → commit → serve, as the binary and tests run it.
+//! - [`watch`]: the engine watch: health probes and each rank's liveness.
 //! - [`ctl`]: `relayctl`'s gRPC client and the renderings of its answers; [`ctl::cli`], its
 //!   command line.
 //! - [`notify`]: systemd's notify protocol: `READY=1`, watchdog pings, `STOPPING=1`.
@@ -46,4 +47,5 @@ pub mod normalize;
 pub mod notify;
 pub mod server;
 pub mod store;
+pub mod watch;
 pub mod wire;

@@ -319,6 +319,42 @@ pub struct Load {
     pub scraped_at_ms: u64,
 }
 
+/// Whether the engine serves, as the relay sees it from beside it (its health endpoint, its
+/// progress counters and its KV events).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EngineState {
+    /// The health endpoint answers and the engine progresses (or has nothing to do).
+    Alive,
+    /// The health endpoint does not answer in time, or answers an error.
+    Unreachable,
+    /// The health endpoint answers, but requests run and nothing progresses.
+    Wedged,
+    /// Nothing listens on the health endpoint.
+    Stopped,
+}
+
+impl EngineState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineState::Alive => "alive",
+            EngineState::Unreachable => "unreachable",
+            EngineState::Wedged => "wedged",
+            EngineState::Stopped => "stopped",
+        }
+    }
+}
+
+/// A rank's engine liveness: the state, why (empty when alive), when it began and when it was
+/// observed (Unix milliseconds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Liveness {
+    pub state: EngineState,
+    pub reason: String,
+    pub since_ms: u64,
+    pub observed_at_ms: u64,
+}
+
 /// One engine batch after normalization.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Batch {
@@ -360,8 +396,14 @@ pub struct Control {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "record", rename_all = "snake_case")]
 pub enum RecordBody {
-    /// An engine batch, with the engine's latest load when it was committed.
-    Batch { batch: Batch, load: Option<Load> },
+    /// An engine batch, with the engine's latest load and its liveness when it was committed
+    /// (`None`: not scraped, not watched).
+    Batch {
+        batch: Batch,
+        load: Option<Load>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        liveness: Option<Liveness>,
+    },
     /// A control event.
     Control(Control),
 }

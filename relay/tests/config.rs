@@ -229,7 +229,8 @@ fn an_unknown_key_is_rejected_by_name() {
         e.why,
         format!(
             "{file}: unknown key `histroy_batches` (known keys: endpoint, replay_endpoint, dp_size, dp_ranks, topic, \
-             engine_metrics_url, load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, \
+             engine_metrics_url, engine_url, engine_health_url, engine_wedge_secs, engine_health_timeout_ms, \
+             load_poll_ms, heartbeat_ms, state_dir, history_batches, history_bytes, \
              store_cache_bytes, listen, metrics_listen, queue, replay_timeout_ms, tail_probe_ms, max_message_bytes, \
              log_format, \
              hash_check, hash_engine, hash_engine_version, hash_algo, hash_seed, hash_sample, and the [server] table)"

@@ -54,7 +54,7 @@ fn decode_and_normalize(payload: &[u8]) {
         let kept = out.outcomes.iter().filter(|o| **o == Outcome::Kept).count();
         assert_eq!(kept, out.batch.events.len());
         assert_eq!(out.drops.total() as usize, n - kept);
-        if let Err(e) = store().commit(RecordBody::Batch { batch: out.batch, load: None }) {
+        if let Err(e) = store().commit(RecordBody::Batch { batch: out.batch, load: None, liveness: None }) {
             panic!("the store refused a normalized batch: {e}");
         }
     }
@@ -881,7 +881,7 @@ proptest! {
             }
         }
         prop_assert_eq!(&mixed.rewrites, &clean.rewrites);
-        let committed = store().commit(RecordBody::Batch { batch: mixed.batch, load: None });
+        let committed = store().commit(RecordBody::Batch { batch: mixed.batch, load: None, liveness: None });
         prop_assert!(committed.is_ok(), "the store refused a normalized batch: {:?}", committed.err());
     }
 }

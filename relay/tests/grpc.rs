@@ -74,7 +74,11 @@ impl Traffic {
         let seq = self.seq.entry(dp_rank).or_insert(0);
         *seq += 1;
         let load = Load { running: 1.0, waiting: 0.0, kv_usage: 0.25, scraped_at_ms: *seq };
-        RecordBody::Batch { batch: Batch { dp_rank, seq: *seq, ts: *seq as f64, events }, load: Some(load) }
+        RecordBody::Batch {
+            batch: Batch { dp_rank, seq: *seq, ts: *seq as f64, events },
+            load: Some(load),
+            liveness: None,
+        }
     }
 
     fn commit(&mut self, store: &Store, n: usize) -> Vec<Record> {
@@ -653,7 +657,7 @@ fn big_live_set(store: &Store) -> LiveBlocks {
             ts: 0.0,
             events: vec![Event::Stored(Stored::plain(Tier::Device, 0, 16, blocks))],
         };
-        apply(&mut truth, &store.commit(RecordBody::Batch { batch, load: None }).unwrap());
+        apply(&mut truth, &store.commit(RecordBody::Batch { batch, load: None, liveness: None }).unwrap());
     }
     truth
 }

@@ -53,7 +53,7 @@ fn cleared(tier: Option<Tier>) -> Event {
 }
 
 fn batch(dp_rank: u32, seq: u64, events: Vec<Event>) -> RecordBody {
-    RecordBody::Batch { batch: Batch { dp_rank, seq, ts: seq as f64, events }, load: None }
+    RecordBody::Batch { batch: Batch { dp_rank, seq, ts: seq as f64, events }, load: None, liveness: None }
 }
 
 fn control(dp_rank: u32, kind: ControlKind) -> RecordBody {
@@ -729,7 +729,9 @@ fn crash_body(seed: u64, rank: u32, seq: u64) -> RecordBody {
     let mut rng = StdRng::seed_from_u64(seed ^ ((rank as u64) << 40) ^ seq.wrapping_mul(0x9e37_79b9_7f4a_7c15));
     match random_body(&mut rng, rank, seq, false) {
         RecordBody::Control(_) => batch(rank, seq, vec![]),
-        RecordBody::Batch { batch, load } => RecordBody::Batch { batch: Batch { seq, ..batch }, load },
+        RecordBody::Batch { batch, load, liveness } => {
+            RecordBody::Batch { batch: Batch { seq, ..batch }, load, liveness }
+        }
     }
 }
 

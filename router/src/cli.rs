@@ -93,6 +93,15 @@ pub struct Args {
     /// this many milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub retry_after_ms: u64,
+    /// The front (`/v1/completions`, `/v1/chat/completions`): how the engines hash blocks, as
+    /// `/match`'s `hash` object, e.g. `{"engine": "vllm", "version": "0.32", "block_size": 16}`.
+    /// Token-id prompts are then routed by their cached prefix; without it, by load alone.
+    #[arg(long, value_name = "JSON")]
+    pub engine_hash: Option<String>,
+    /// The front: connecting to an engine gives up after this long (milliseconds), and counts
+    /// as a refused connection (the request goes to the next choice).
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub engine_connect_timeout_ms: u64,
     /// No stream message for this long (milliseconds): reconnect and resume.
     #[arg(long, default_value_t = 5000)]
     pub receive_timeout_ms: u64,

@@ -19,6 +19,7 @@ use tokio::net::TcpListener;
 
 use kv_router_client::{Follower, MatchOptions, Matches, RelayInfo, WorkerState};
 
+use crate::front::{Front, FrontConfig};
 use crate::liveness::Outcome;
 use crate::policy::Reason;
 use crate::router::{RouteError, RoutedWorker, Router, RouterConfig, Tokens};
@@ -471,16 +472,25 @@ impl IntoRouter for Follower {
     }
 }
 
-/// The HTTP routes over a router.
+/// The HTTP routes over a router, with the OpenAI-compatible front in its default settings.
 pub fn routes(router: impl IntoRouter) -> axum::Router {
+    app(router.into_router(), FrontConfig::default())
+}
+
+/// The HTTP routes over a router, with the front in `front`'s settings.
+pub fn app(router: Arc<Router>, front: FrontConfig) -> axum::Router {
+    let f = Arc::new(Front::new(router.clone(), front));
+    api(router).merge(crate::front::routes(f)).layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+}
+
+fn api(router: Arc<Router>) -> axum::Router {
     axum::Router::new()
         .route("/match", post(post_match))
         .route("/route", post(post_route))
         .route("/route/report", post(post_report))
         .route("/workers", get(get_workers))
         .route("/metrics", get(get_metrics))
-        .layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
-        .with_state(router.into_router())
+        .with_state(router)
 }
 
 /// Serves the API on `listener` until `shutdown` completes.
@@ -490,4 +500,14 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
     axum::serve(listener, routes(router)).with_graceful_shutdown(shutdown).await
+}
+
+/// [`serve`] with the front in `front`'s settings.
+pub async fn serve_with(
+    listener: TcpListener,
+    router: Arc<Router>,
+    front: FrontConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> std::io::Result<()> {
+    axum::serve(listener, app(router, front)).with_graceful_shutdown(shutdown).await
 }

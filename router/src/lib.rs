@@ -11,10 +11,14 @@
 //! - [`router`]: [`Router`]: the follower, the tracker and the policy: `route` and `report`.
 //! - [`http`]: the HTTP API (`POST /match`, `POST /route`, `POST /route/report`,
 //!   `GET /workers`, `GET /metrics`); feature `server`.
+//! - [`front`]: the OpenAI-compatible front (`/v1/completions`, `/v1/chat/completions`,
+//!   `/v1/models`) passed through to the chosen engine; feature `server`.
 //! - [`cli`]: the `kv-router` binary's command line; feature `server`.
 
 #[cfg(feature = "server")]
 pub mod cli;
+#[cfg(feature = "server")]
+pub mod front;
 #[cfg(feature = "server")]
 pub mod http;
 pub mod liveness;

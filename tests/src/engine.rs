@@ -14,7 +14,8 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use rmpv::Value;
 
 use crate::decode::decode_batch;
-use crate::metrics::{Load, MetricsServer};
+use crate::face::{Face, Served};
+use crate::metrics::Load;
 use crate::publisher::{offset_endpoint, Cmd, PublishRecord, PublisherError, RankConfig, RankHandle, RankStats};
 use crate::traffic::CacheSim;
 use crate::truth::Truth;
@@ -53,7 +54,8 @@ pub struct EngineConfig {
     /// Reply layout; `None`: the layout of `wire`'s release.
     pub replay_layout: Option<ReplayLayout>,
     pub hwm: i32,
-    /// `/metrics` listen address (port 0: ephemeral), or none.
+    /// The HTTP face's listen address (port 0: ephemeral), or none: `/metrics`, `/health` and
+    /// the OpenAI routes (see [`crate::face`]).
     pub metrics_listen: Option<SocketAddr>,
     pub model_name: String,
     /// Keep every publish record (tests).
@@ -160,7 +162,7 @@ pub struct MockEngine {
     /// Lock order: a rank's `state`, then `truth`.
     truth: Mutex<Truth>,
     loads: Arc<Mutex<Vec<Load>>>,
-    metrics: Option<MetricsServer>,
+    metrics: Option<Face>,
     paused: Mutex<bool>,
     unpaused: Condvar,
     garbage_counter: AtomicU64,
@@ -211,7 +213,7 @@ impl MockEngine {
         }
         let loads = Arc::new(Mutex::new(vec![Load::default(); cfg.dp_size as usize]));
         let metrics = match cfg.metrics_listen {
-            Some(addr) => Some(MetricsServer::start(addr, cfg.wire.engine, cfg.model_name.clone(), loads.clone())?),
+            Some(addr) => Some(Face::start(addr, cfg.wire.engine, cfg.model_name.clone(), loads.clone())?),
             None => None,
         };
         Ok(MockEngine {
@@ -265,7 +267,46 @@ impl MockEngine {
     }
 
     pub fn metrics_addr(&self) -> Option<SocketAddr> {
-        self.metrics.as_ref().map(MetricsServer::addr)
+        self.metrics.as_ref().map(Face::addr)
+    }
+
+    /// The HTTP face, when it listens.
+    pub fn face(&self) -> Option<&Face> {
+        self.metrics.as_ref()
+    }
+
+    /// The engine's base URL (`http://host:port`), when the face listens.
+    pub fn url(&self) -> Option<String> {
+        self.metrics_addr().map(|a| format!("http://{a}"))
+    }
+
+    /// Completions on the face are served by this engine: each prompt's full blocks go through
+    /// the rank's prefix cache ([`MockEngine::complete`]).
+    pub fn serve_completions(self: &Arc<Self>) {
+        let Some(face) = self.face() else { return };
+        let me = Arc::downgrade(self);
+        face.set_completer(Arc::new(move |rank, tokens| {
+            let e = me.upgrade().ok_or("the engine is gone")?;
+            e.complete(rank, tokens).map_err(|e| e.to_string())
+        }));
+    }
+
+    /// One completion on `rank`: the prompt's full blocks are served by its prefix cache and
+    /// the step published; `cached_tokens` is the prefix that was already cached.
+    pub fn complete(&self, rank: u32, tokens: &[u64]) -> Result<Served, EngineError> {
+        let bs = self.cfg.block_size as usize;
+        let blocks: Vec<Vec<u64>> = tokens.chunks_exact(bs).map(<[u64]>::to_vec).collect();
+        let cached = {
+            let (_, st) = self.lock_state(rank)?;
+            if !st.running {
+                return Err(EngineError::Stopped(rank));
+            }
+            st.cache.cached_prefix(&blocks)
+        };
+        if !blocks.is_empty() {
+            self.serve_request(rank, &blocks, false)?;
+        }
+        Ok(Served { prompt_tokens: tokens.len() as u64, cached_tokens: (cached * bs) as u64 })
     }
 
     /// A copy of the truth at this moment.

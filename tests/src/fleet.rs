@@ -102,7 +102,7 @@ impl Writer {
             events.push(Event::Removed(Removed { tier: Tier::Device, group: 0, block_hashes, ownership: None }));
         }
         let batch = Batch { dp_rank: 0, seq: self.seq, ts: 0.0, events };
-        self.store.commit(RecordBody::Batch { batch, load: None }).expect("commit");
+        self.store.commit(RecordBody::Batch { batch, load: None, liveness: None }).expect("commit");
     }
 }
 

@@ -26,9 +26,11 @@
 
 pub mod capture;
 pub mod client;
+pub mod daemon;
 pub mod decode;
 pub mod drills;
 pub mod engine;
+pub mod face;
 pub mod fixtures;
 pub mod fleet;
 pub mod generate;

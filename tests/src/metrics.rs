@@ -1,15 +1,12 @@
-//! The engine's Prometheus `/metrics` endpoint with its load gauges, on a tiny hand-written
-//! HTTP/1.1 server (one thread, one request per connection, `Connection: close`).
+//! The engine's Prometheus load gauges, as `/metrics` on its HTTP face ([`crate::face`]) shows
+//! them.
 //!
 //! vLLM (V1 engine) exposes per-engine gauges labelled `engine` (the DP index) and
 //! `model_name`; SGLang labels its scheduler gauges with `model_name` and the scheduler's
 //! ranks. The load values are set by the traffic sources or by tests.
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use crate::wire::Engine;
@@ -56,91 +53,6 @@ pub fn render(engine: Engine, model_name: &str, loads: &[Load]) -> String {
     out
 }
 
-/// A running `/metrics` server; stops when dropped.
-pub struct MetricsServer {
-    addr: SocketAddr,
-    stop: Arc<AtomicBool>,
-    thread: Option<JoinHandle<()>>,
-}
-
-impl MetricsServer {
-    /// Bind `listen` (port 0: ephemeral, see [`MetricsServer::addr`]) and serve `/metrics`.
-    pub fn start(
-        listen: SocketAddr,
-        engine: Engine,
-        model_name: String,
-        loads: Arc<Mutex<Vec<Load>>>,
-    ) -> std::io::Result<MetricsServer> {
-        let listener = TcpListener::bind(listen)?;
-        let addr = listener.local_addr()?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let stop2 = stop.clone();
-        let thread = std::thread::Builder::new().name("mock-engine-metrics".into()).spawn(move || {
-            for conn in listener.incoming() {
-                if stop2.load(Ordering::SeqCst) {
-                    return;
-                }
-                if let Ok(stream) = conn {
-                    let body = {
-                        let loads = loads.lock().expect("loads lock");
-                        render(engine, &model_name, &loads)
-                    };
-                    let _ = answer(stream, &body);
-                }
-            }
-        })?;
-        Ok(MetricsServer { addr, stop, thread: Some(thread) })
-    }
-
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for MetricsServer {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the accept loop.
-        let _ = TcpStream::connect_timeout(&self.addr, Duration::from_millis(200));
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
-
-fn answer(mut stream: TcpStream, body: &str) -> std::io::Result<()> {
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    let mut req = Vec::new();
-    let mut buf = [0u8; 1024];
-    while !req.windows(4).any(|w| w == b"\r\n\r\n") && req.len() < 16 * 1024 {
-        let n = stream.read(&mut buf)?;
-        if n == 0 {
-            break;
-        }
-        req.extend_from_slice(&buf[..n]);
-    }
-    let line = String::from_utf8_lossy(&req);
-    let mut parts = line.split_whitespace();
-    let (method, path) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
-    let path = path.split('?').next().unwrap_or("");
-    let (status, content_type, body) = if method == "GET" && path == "/metrics" {
-        ("200 OK", "text/plain; version=0.0.4; charset=utf-8", body)
-    } else if method == "GET" {
-        ("404 Not Found", "text/plain", "not found\n")
-    } else {
-        ("405 Method Not Allowed", "text/plain", "method not allowed\n")
-    };
-    let head = format!(
-        "HTTP/1.1 {status}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes())?;
-    if method != "HEAD" {
-        stream.write_all(body.as_bytes())?;
-    }
-    stream.flush()
-}
-
 /// A minimal HTTP GET for tests: returns (status code, body).
 pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
@@ -151,4 +63,36 @@ pub fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> 
     let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
     let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
     Ok((status, body))
+}
+
+/// A minimal HTTP POST of a JSON body for tests, with extra headers: returns (status code, body).
+pub fn http_post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &str) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    let extra: String = headers.iter().map(|(k, v)| format!("{k}: {v}\r\n")).collect();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)?;
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+    let chunked = head.lines().any(|l| l.to_ascii_lowercase().replace(' ', "") == "transfer-encoding:chunked");
+    Ok((status, if chunked { dechunk(body) } else { body.to_string() }))
+}
+
+/// A chunked body's data.
+fn dechunk(mut rest: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
+        if n == 0 || tail.len() < n {
+            break;
+        }
+        out.push_str(&tail[..n]);
+        rest = tail[n..].strip_prefix("\r\n").unwrap_or(&tail[n..]);
+    }
+    out
 }

@@ -250,6 +250,11 @@ impl CacheSim {
         (stored, dropped)
     }
 
+    /// How many of a request's leading blocks the cache holds.
+    pub fn cached_prefix(&self, blocks: &[Vec<u64>]) -> usize {
+        self.chain(blocks).iter().take_while(|(_, h)| self.nodes.contains_key(h)).count()
+    }
+
     /// Serve one request: reuse its cached prefix, evict what is needed, store the rest.
     /// Returns the events of that scheduler step, in the engine's order (removals first).
     pub fn serve(&mut self, blocks: &[Vec<u64>]) -> Vec<EngineEvent> {

@@ -1,6 +1,6 @@
 //! The whole daemon, in-process (`kv_relay::daemon::run`), beside the mock engine: a gRPC
 //! subscriber rebuilds the engine's state exactly, and the engine's load arrives on batches and
-//! on heartbeats.
+//! on heartbeats, as does its liveness per rank.
 
 use kv_relay::ctl::{self, Target};
 use kv_relay::live::{LiveBlocks, LiveKey};
@@ -8,84 +8,15 @@ use kv_relay::model::{ControlKind, RecordBody};
 use kv_relay::server::convert;
 use kv_relay_proto::pb;
 use kv_relay_testkit::client::start_engine_on_free_ports;
+use kv_relay_testkit::daemon::{start_relay, start_relay_in};
 use kv_relay_testkit::drills::harness::truth_as_live;
 use kv_relay_testkit::engine::{EngineConfig, MockEngine};
-use kv_relay_testkit::metrics::Load as EngineLoad;
+use kv_relay_testkit::face::Fault;
+use kv_relay_testkit::metrics::{http_post, Load as EngineLoad};
 use kv_relay_testkit::traffic::{RandomSource, RequestSource};
 use kv_relay_testkit::wire::{Engine, WireVersion};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-struct Daemon {
-    url: String,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
-    task: tokio::task::JoinHandle<Result<(), kv_relay::daemon::DaemonError>>,
-    _dir: tempfile::TempDir,
-}
-
-async fn start_relay(e: &MockEngine, extra: &[&str]) -> Daemon {
-    start_relay_in(e, tempfile::tempdir().unwrap(), extra).await
-}
-
-/// [`start_relay`] over the state directory in `dir` (a restart when a relay used it before).
-async fn start_relay_in(e: &MockEngine, dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
-    let c = e.config();
-    let metrics = format!("http://{}/metrics", e.metrics_addr().unwrap());
-    let state = dir.path().join("state").display().to_string();
-    let dp = c.dp_size.to_string();
-    let mut argv = vec![
-        "kv-relay",
-        "--endpoint",
-        &c.endpoint,
-        "--dp-size",
-        &dp,
-        "--topic",
-        &c.topic,
-        "--engine-metrics-url",
-        &metrics,
-        "--state-dir",
-        &state,
-        "--listen",
-        "127.0.0.1:0",
-        "--metrics-listen",
-        "off",
-        "--load-poll-ms",
-        "50",
-        "--heartbeat-ms",
-        "200",
-        "--tail-probe-ms",
-        "300",
-    ];
-    let replay = c.replay_endpoint.clone().unwrap();
-    argv.extend(["--replay-endpoint", &replay]);
-    argv.extend_from_slice(extra);
-    let cfg = <kv_relay::config::Args as clap::Parser>::try_parse_from(argv).unwrap().validate().unwrap();
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let task = tokio::spawn(kv_relay::daemon::run(
-        cfg,
-        async move {
-            let _ = rx.await;
-        },
-        move |r| {
-            let _ = ready_tx.send(r.listen);
-        },
-    ));
-    let listen = ready_rx.await.unwrap();
-    Daemon { url: format!("http://{listen}"), shutdown: Some(tx), task, _dir: dir }
-}
-
-impl Daemon {
-    async fn stop(self) {
-        self.stop_keeping_state().await;
-    }
-
-    /// Stops the relay and gives back its state directory.
-    async fn stop_keeping_state(mut self) -> tempfile::TempDir {
-        let _ = self.shutdown.take().unwrap().send(());
-        tokio::time::timeout(Duration::from_secs(15), self.task).await.unwrap().unwrap().unwrap();
-        self._dir
-    }
-}
 
 /// What one subscriber rebuilt.
 #[derive(Default)]
@@ -120,7 +51,7 @@ fn apply(r: &mut Rebuilt, m: pb::SubscribeResponse) {
             assert_eq!(rec.cursor, r.last_cursor + 1, "records arrive in cursor order with no hole");
             r.last_cursor = rec.cursor;
             match rec.body {
-                RecordBody::Batch { batch, load } => {
+                RecordBody::Batch { batch, load, .. } => {
                     r.batches_with_load += u64::from(load.is_some());
                     r.live.apply(&batch);
                 }
@@ -355,5 +286,96 @@ async fn a_restarted_relay_reports_each_ranks_last_engine_seq_before_new_batches
     let after = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
     assert_eq!(after.newest_cursor, before.newest_cursor);
     assert_eq!(seqs(&after), want);
+    d.stop().await;
+}
+
+/// Each rank's engine liveness in `Status`: its state and reason (0 and empty: none).
+async fn liveness_of(client: &mut ctl::Client) -> Vec<(i32, String)> {
+    let s = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
+    s.ranks.iter().map(|r| r.liveness.as_ref().map_or((0, String::new()), |l| (l.state, l.reason.clone()))).collect()
+}
+
+async fn wait_liveness(
+    client: &mut ctl::Client,
+    want: [pb::EngineLiveness; 2],
+    within: Duration,
+) -> Vec<(i32, String)> {
+    let deadline = Instant::now() + within;
+    loop {
+        let got = liveness_of(client).await;
+        if got.iter().map(|g| g.0).eq(want.iter().map(|w| *w as i32)) {
+            return got;
+        }
+        assert!(Instant::now() < deadline, "liveness never became {want:?}: {got:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_engines_liveness_per_rank_rides_on_status_heartbeats_and_batches() {
+    use pb::EngineLiveness::{Alive, Stopped, Unreachable, Wedged};
+    let e = Arc::new(engine(2));
+    e.serve_completions();
+    let face = e.face().unwrap();
+    let d = start_relay(&e, &["--engine-wedge-secs", "1", "--engine-health-timeout-ms", "300"]).await;
+    let mut client = ctl::connect(&Target { url: d.url.clone(), ..Target::default() }).await.unwrap();
+    let got = wait_liveness(&mut client, [Alive, Alive], Duration::from_secs(10)).await;
+    assert_eq!(got, vec![(Alive as i32, String::new()), (Alive as i32, String::new())]);
+    let s = client.status(pb::StatusRequest {}).await.unwrap().into_inner();
+    assert_eq!(s.engine_url, e.url().unwrap());
+
+    // A batch committed now carries the rank's liveness; a heartbeat does too.
+    let mut stream = client
+        .subscribe(pb::SubscribeRequest { allow_snapshot: true, ..Default::default() })
+        .await
+        .unwrap()
+        .into_inner();
+    let addr = e.metrics_addr().unwrap();
+    let post = move |rank: &'static str| {
+        std::thread::spawn(move || {
+            http_post(addr, "/v1/completions", &[("X-data-parallel-rank", rank)], r#"{"prompt": [1,2,3,4,5,6,7,8]}"#)
+                .unwrap()
+        })
+    };
+    assert_eq!(post("1").join().unwrap().0, 200);
+    let (mut batch_seen, mut heartbeat_seen) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while batch_seen.is_none() || heartbeat_seen.is_none() {
+        assert!(Instant::now() < deadline, "no batch or heartbeat with liveness");
+        let m = tokio::time::timeout(Duration::from_secs(5), stream.message()).await.unwrap().unwrap().unwrap();
+        match m.message {
+            Some(pb::subscribe_response::Message::Batch(b)) if b.dp_rank == 1 => {
+                batch_seen = Some(b.liveness.map(|l| l.state));
+            }
+            Some(pb::subscribe_response::Message::Heartbeat(h)) => heartbeat_seen = Some(h.liveness.map(|l| l.state)),
+            _ => {}
+        }
+    }
+    assert_eq!((batch_seen, heartbeat_seen), (Some(Some(Alive as i32)), Some(Some(Alive as i32))));
+    drop(stream);
+
+    // Health answering 503: unreachable, with the answer as the reason; then alive again.
+    face.set_fault(Fault::Unhealthy).unwrap();
+    let got = wait_liveness(&mut client, [Unreachable, Unreachable], Duration::from_secs(5)).await;
+    assert!(got[0].1.contains("503"), "{got:?}");
+    face.set_fault(Fault::None).unwrap();
+    wait_liveness(&mut client, [Alive, Alive], Duration::from_secs(5)).await;
+
+    // Wedged: a completion hangs on rank 1 (it runs, nothing progresses): rank 1 wedged after
+    // the wedge time, rank 0 (idle) alive; released, it progresses and is alive again.
+    face.set_fault(Fault::Wedged).unwrap();
+    let hung = post("1");
+    let got = wait_liveness(&mut client, [Alive, Wedged], Duration::from_secs(8)).await;
+    assert!(got[1].1.starts_with("requests running, no progress for "), "{got:?}");
+    face.set_fault(Fault::None).unwrap();
+    assert_eq!(hung.join().unwrap().0, 200);
+    wait_liveness(&mut client, [Alive, Alive], Duration::from_secs(5)).await;
+
+    // Nothing listens: stopped; the listener back: alive.
+    face.set_fault(Fault::ListenerGone).unwrap();
+    let got = wait_liveness(&mut client, [Stopped, Stopped], Duration::from_secs(5)).await;
+    assert!(got[0].1.ends_with("/health: connection refused"), "{got:?}");
+    face.set_fault(Fault::None).unwrap();
+    wait_liveness(&mut client, [Alive, Alive], Duration::from_secs(5)).await;
     d.stop().await;
 }

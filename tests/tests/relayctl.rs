@@ -65,8 +65,19 @@ impl Live {
         // The load is scraped once, at start: every batch carries the same load on every run (the
         // engine's KV usage moves with each request, and a later scrape could land before or
         // after a batch). The test polls Status often: above the default per-client rate limit.
-        let mut args =
-            vec!["--load-poll-ms", "3600000", "--server-rate-per-second", "10000", "--server-rate-burst", "10000"];
+        // The engine's liveness is not watched: its load says requests run, and nothing
+        // progresses between the test's steps (the liveness rides on batches, and its reason
+        // would count the seconds).
+        let mut args = vec![
+            "--load-poll-ms",
+            "3600000",
+            "--server-rate-per-second",
+            "10000",
+            "--server-rate-burst",
+            "10000",
+            "--engine-health-url",
+            "off",
+        ];
         args.extend_from_slice(extra);
         let relay = RelayProc::start(&e, &dir.path().join("state"), &dir.path().join("relay.log"), &args);
         let load = [e.load(0).unwrap(), e.load(1).unwrap()];
@@ -123,12 +134,14 @@ impl Live {
         self.settle();
     }
 
-    /// What differs between runs, by its value: the relay's address, the engine's, the epoch.
+    /// What differs between runs, by its value: the relay's address, the engine's endpoint and
+    /// URL, the epoch.
     fn varying(&self) -> Vec<(String, &'static str)> {
         let epoch = status(&self.url()).unwrap().epoch;
         vec![
             (self.url(), "[relay]"),
             (self.e.config().endpoint.clone(), "[endpoint]"),
+            (self.e.url().unwrap(), "[engine]"),
             (format!("{epoch:016x}"), "[epoch]"),
         ]
     }

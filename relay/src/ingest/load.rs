@@ -32,26 +32,8 @@ pub type Loads = BTreeMap<Option<u32>, Load>;
 /// model) are summed for request counts and maxed for usage.
 pub fn parse(text: &str, scraped_at_ms: u64) -> Loads {
     let mut out = Loads::new();
-    for line in text.lines() {
-        let line = line.trim();
-        if line.is_empty() || line.starts_with('#') {
-            continue;
-        }
-        let (series, rest) = match line.find(['{', ' ']) {
-            Some(i) => line.split_at(i),
-            None => continue,
-        };
+    for (series, rank, value) in samples(text) {
         let Some(&(_, gauge)) = NAMES.iter().find(|(n, _)| *n == series) else { continue };
-        let (labels, value) = if let Some(r) = rest.strip_prefix('{') {
-            match r.split_once('}') {
-                Some((l, v)) => (l, v),
-                None => continue,
-            }
-        } else {
-            ("", rest)
-        };
-        let Some(value) = value.split_whitespace().next().and_then(|v| v.parse::<f64>().ok()) else { continue };
-        let rank = label(labels, "engine").or_else(|| label(labels, "dp_rank")).and_then(|v| v.parse().ok());
         let l = out.entry(rank).or_insert(Load { scraped_at_ms, ..Load::default() });
         match gauge {
             Gauge::Running => l.running += value,
@@ -60,6 +42,45 @@ pub fn parse(text: &str, scraped_at_ms: u64) -> Loads {
         }
     }
     out
+}
+
+/// The counters that move while an engine makes progress: tokens prefilled and generated.
+const PROGRESS: &[&str] = &[
+    "vllm:generation_tokens_total",
+    "vllm:prompt_tokens_total",
+    "sglang:generation_tokens_total",
+    "sglang:prompt_tokens_total",
+];
+
+/// The engine's progress counters summed per rank where labelled (`Some(rank)`), else `None`;
+/// empty when the engine exposes none of them.
+pub fn progress(text: &str) -> BTreeMap<Option<u32>, f64> {
+    let mut out = BTreeMap::new();
+    for (series, rank, value) in samples(text) {
+        if PROGRESS.contains(&series) {
+            *out.entry(rank).or_insert(0.0) += value;
+        }
+    }
+    out
+}
+
+/// Each sample of an exposition: its metric name, its rank label (`engine` in vLLM, `dp_rank` in
+/// SGLang) and its value. Comments, blank and malformed lines are skipped.
+fn samples(text: &str) -> impl Iterator<Item = (&str, Option<u32>, f64)> {
+    text.lines().filter_map(|line| {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            return None;
+        }
+        let (series, rest) = line.split_at(line.find(['{', ' '])?);
+        let (labels, value) = match rest.strip_prefix('{') {
+            Some(r) => r.split_once('}')?,
+            None => ("", rest),
+        };
+        let value = value.split_whitespace().next()?.parse::<f64>().ok()?;
+        let rank = label(labels, "engine").or_else(|| label(labels, "dp_rank")).and_then(|v| v.parse().ok());
+        Some((series, rank, value))
+    })
 }
 
 fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
@@ -164,6 +185,19 @@ mod tests {
         assert_eq!(l[&None].kv_usage, 0.5);
         assert_eq!(for_rank(&l, 9).unwrap().kv_usage, 0.5);
         assert_eq!(for_rank(&l, 1).unwrap().running, 5.0);
+    }
+
+    #[test]
+    fn progress_counters_sum_per_rank() {
+        let text = "vllm:generation_tokens_total{engine=\"0\",model_name=\"m\"} 10.0\n\
+            vllm:prompt_tokens_total{engine=\"0\",model_name=\"m\"} 32.0\n\
+            vllm:generation_tokens_total{engine=\"1\",model_name=\"m\"} 4.0\n\
+            vllm:generation_tokens_created{engine=\"1\",model_name=\"m\"} 1.7e9\n\
+            sglang:generation_tokens_total 5\n\
+            vllm:num_requests_running{engine=\"0\"} 3\n";
+        let p = progress(text);
+        assert_eq!(p, BTreeMap::from([(Some(0), 42.0), (Some(1), 4.0), (None, 5.0)]));
+        assert_eq!(progress("vllm:num_requests_running 1\n"), BTreeMap::new());
     }
 
     #[test]

@@ -9,6 +9,7 @@
 //! those batches come back through gap refill. The ingest never drops a batch silently.
 
 pub mod endpoint;
+pub mod liveness;
 pub mod load;
 mod metrics;
 pub mod rank;

@@ -6,8 +6,8 @@
 //! (`model_to_pb_and_back_is_identity` below).
 
 use crate::model::{
-    Batch, Block, Bytes, Cleared, Control, ControlKind, Event, Group, KeyPart, Load, MapParts, Namespace, Record,
-    RecordBody, Removed, Stored, Tier, TokenLayout,
+    Batch, Block, Bytes, Cleared, Control, ControlKind, EngineState, Event, Group, KeyPart, Liveness, Load, MapParts,
+    Namespace, Record, RecordBody, Removed, Stored, Tier, TokenLayout,
 };
 use crate::store::SnapshotBlock;
 use kv_relay_proto::pb;
@@ -61,6 +61,33 @@ pub fn load_to_pb(l: &Load) -> pb::Load {
 
 pub fn load_from_pb(l: &pb::Load) -> Load {
     Load { running: l.running, waiting: l.waiting, kv_usage: l.kv_usage, scraped_at_ms: l.scraped_at_ms }
+}
+
+pub fn liveness_to_pb(l: &Liveness) -> pb::Liveness {
+    let state = match l.state {
+        EngineState::Alive => pb::EngineLiveness::Alive,
+        EngineState::Unreachable => pb::EngineLiveness::Unreachable,
+        EngineState::Wedged => pb::EngineLiveness::Wedged,
+        EngineState::Stopped => pb::EngineLiveness::Stopped,
+    };
+    pb::Liveness {
+        state: state as i32,
+        reason: l.reason.clone(),
+        since_ms: l.since_ms,
+        observed_at_ms: l.observed_at_ms,
+    }
+}
+
+/// `None` when the state is unspecified (not watched) or unknown to this build.
+pub fn liveness_from_pb(l: &pb::Liveness) -> Option<Liveness> {
+    let state = match pb::EngineLiveness::try_from(l.state).ok()? {
+        pb::EngineLiveness::Unspecified => return None,
+        pb::EngineLiveness::Alive => EngineState::Alive,
+        pb::EngineLiveness::Unreachable => EngineState::Unreachable,
+        pb::EngineLiveness::Wedged => EngineState::Wedged,
+        pb::EngineLiveness::Stopped => EngineState::Stopped,
+    };
+    Some(Liveness { state, reason: l.reason.clone(), since_ms: l.since_ms, observed_at_ms: l.observed_at_ms })
 }
 
 pub fn namespace_to_pb(n: &Namespace) -> pb::Namespace {
@@ -230,7 +257,13 @@ pub fn event_from_pb(e: &pb::Event) -> Result<Event, ConvertError> {
 // ---- records ----------------------------------------------------------------------------------
 
 /// A committed batch as the contract's `Batch`.
-pub fn batch_to_pb(cursor: u64, incarnation: u32, batch: &Batch, load: Option<&Load>) -> pb::Batch {
+pub fn batch_to_pb(
+    cursor: u64,
+    incarnation: u32,
+    batch: &Batch,
+    load: Option<&Load>,
+    liveness: Option<&Liveness>,
+) -> pb::Batch {
     pb::Batch {
         cursor,
         incarnation,
@@ -239,18 +272,19 @@ pub fn batch_to_pb(cursor: u64, incarnation: u32, batch: &Batch, load: Option<&L
         engine_ts: batch.ts,
         events: batch.events.iter().map(event_to_pb).collect(),
         load: load.map(load_to_pb),
-        liveness: None,
+        liveness: liveness.map(liveness_to_pb),
     }
 }
 
-pub fn batch_from_pb(b: &pb::Batch) -> Result<(Batch, Option<Load>), ConvertError> {
+/// A streamed batch back to the model: the batch, its load and its liveness.
+pub fn batch_from_pb(b: &pb::Batch) -> Result<(Batch, Option<Load>, Option<Liveness>), ConvertError> {
     let batch = Batch {
         dp_rank: b.dp_rank,
         seq: b.engine_seq,
         ts: b.engine_ts,
         events: b.events.iter().map(event_from_pb).collect::<Result<_, _>>()?,
     };
-    Ok((batch, b.load.as_ref().map(load_from_pb)))
+    Ok((batch, b.load.as_ref().map(load_from_pb), b.liveness.as_ref().and_then(liveness_from_pb)))
 }
 
 pub fn control_to_pb(cursor: u64, incarnation: u32, c: &Control) -> pb::Control {
@@ -313,8 +347,8 @@ pub fn record_rank(r: &Record) -> u32 {
 
 pub fn record_to_pb(r: &Record) -> PbRecord {
     match &r.body {
-        RecordBody::Batch { batch, load } => {
-            PbRecord::Batch(batch_to_pb(r.cursor, r.incarnation, batch, load.as_ref()))
+        RecordBody::Batch { batch, load, liveness } => {
+            PbRecord::Batch(batch_to_pb(r.cursor, r.incarnation, batch, load.as_ref(), liveness.as_ref()))
         }
         RecordBody::Control(c) => PbRecord::Control(control_to_pb(r.cursor, r.incarnation, c)),
     }
@@ -324,10 +358,10 @@ pub fn record_to_pb(r: &Record) -> PbRecord {
 pub fn record_from_subscribe(m: &pb::SubscribeResponse) -> Option<Result<Record, ConvertError>> {
     use pb::subscribe_response::Message as M;
     match m.message.as_ref()? {
-        M::Batch(b) => Some(batch_from_pb(b).map(|(batch, load)| Record {
+        M::Batch(b) => Some(batch_from_pb(b).map(|(batch, load, liveness)| Record {
             cursor: b.cursor,
             incarnation: b.incarnation,
-            body: RecordBody::Batch { batch, load },
+            body: RecordBody::Batch { batch, load, liveness },
         })),
         M::Control(c) => Some(control_from_pb(c).map(|control| Record {
             cursor: c.cursor,
@@ -447,8 +481,16 @@ mod tests {
     fn model_to_pb_and_back_is_identity() {
         let load = Load { running: 1.0, waiting: 2.0, kv_usage: 0.5, scraped_at_ms: 99 };
         let records = vec![
-            Record { cursor: 7, incarnation: 2, body: RecordBody::Batch { batch: sample_batch(), load: Some(load) } },
-            Record { cursor: 8, incarnation: 2, body: RecordBody::Batch { batch: sample_batch(), load: None } },
+            Record {
+                cursor: 7,
+                incarnation: 2,
+                body: RecordBody::Batch { batch: sample_batch(), load: Some(load), liveness: None },
+            },
+            Record {
+                cursor: 8,
+                incarnation: 2,
+                body: RecordBody::Batch { batch: sample_batch(), load: None, liveness: None },
+            },
             Record {
                 cursor: 9,
                 incarnation: 3,

@@ -12,7 +12,10 @@
 //! and control records are converted and written by prost itself.
 
 use super::convert::{key_part_to_pb, record_to_pb, tier_to_pb};
-use crate::model::{Batch, Block, Cleared, Event, Load, Namespace, Record, RecordBody, Removed, Stored, TokenLayout};
+use crate::model::{
+    Batch, Block, Cleared, EngineState, Event, Liveness, Load, Namespace, Record, RecordBody, Removed, Stored,
+    TokenLayout,
+};
 use bytes::Bytes;
 use kv_relay_proto::pb;
 use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
@@ -20,14 +23,15 @@ use prost::Message;
 
 /// The encoding of `SubscribeResponse { message: Some(Batch(..)) }` or `Control(..)` for `r`.
 pub fn subscribe_bytes(r: &Record) -> Bytes {
-    let RecordBody::Batch { batch, load } = &r.body else {
+    let RecordBody::Batch { batch, load, liveness } = &r.body else {
         return Bytes::from(record_to_pb(r).into_subscribe().encode_to_vec());
     };
-    let len = batch_len(r.cursor, r.incarnation, batch, load.as_ref());
+    let (load, liveness) = (load.as_ref(), liveness.as_ref());
+    let len = batch_len(r.cursor, r.incarnation, batch, load, liveness);
     let mut out = Vec::with_capacity(key_len(1) + encoded_len_varint(len as u64) + len);
     // SubscribeResponse.batch = 1.
     nested(&mut out, 1, len);
-    put_batch(&mut out, r.cursor, r.incarnation, batch, load.as_ref());
+    put_batch(&mut out, r.cursor, r.incarnation, batch, load, liveness);
     debug_assert_eq!(out.len(), out.capacity());
     Bytes::from(out)
 }
@@ -175,7 +179,31 @@ fn put_load(out: &mut Vec<u8>, l: &Load) {
     put_varint_field(out, 4, l.scraped_at_ms);
 }
 
-fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>) -> usize {
+/// `EngineLiveness`'s value for a state.
+fn engine_liveness(s: EngineState) -> i32 {
+    match s {
+        EngineState::Alive => pb::EngineLiveness::Alive as i32,
+        EngineState::Unreachable => pb::EngineLiveness::Unreachable as i32,
+        EngineState::Wedged => pb::EngineLiveness::Wedged as i32,
+        EngineState::Stopped => pb::EngineLiveness::Stopped as i32,
+    }
+}
+
+fn liveness_len(l: &Liveness) -> usize {
+    enum_len(1, engine_liveness(l.state))
+        + string_field_len(2, &l.reason)
+        + varint_field_len(3, l.since_ms)
+        + varint_field_len(4, l.observed_at_ms)
+}
+
+fn put_liveness(out: &mut Vec<u8>, l: &Liveness) {
+    put_enum(out, 1, engine_liveness(l.state));
+    put_string_field(out, 2, &l.reason);
+    put_varint_field(out, 3, l.since_ms);
+    put_varint_field(out, 4, l.observed_at_ms);
+}
+
+fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>, liveness: Option<&Liveness>) -> usize {
     varint_field_len(1, cursor)
         + varint_field_len(2, u64::from(incarnation))
         + varint_field_len(3, u64::from(b.dp_rank))
@@ -189,9 +217,17 @@ fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>) -> u
             })
             .sum::<usize>()
         + load.map_or(0, |l| nested_len(7, load_len(l)))
+        + liveness.map_or(0, |l| nested_len(8, liveness_len(l)))
 }
 
-fn put_batch(out: &mut Vec<u8>, cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>) {
+fn put_batch(
+    out: &mut Vec<u8>,
+    cursor: u64,
+    incarnation: u32,
+    b: &Batch,
+    load: Option<&Load>,
+    liveness: Option<&Liveness>,
+) {
     put_varint_field(out, 1, cursor);
     put_varint_field(out, 2, u64::from(incarnation));
     put_varint_field(out, 3, u64::from(b.dp_rank));
@@ -203,6 +239,10 @@ fn put_batch(out: &mut Vec<u8>, cursor: u64, incarnation: u32, b: &Batch, load: 
     if let Some(l) = load {
         nested(out, 7, load_len(l));
         put_load(out, l);
+    }
+    if let Some(l) = liveness {
+        nested(out, 8, liveness_len(l));
+        put_liveness(out, l);
     }
 }
 
@@ -409,17 +449,34 @@ mod tests {
             Event::Cleared(Cleared { tier: None }),
             Event::Cleared(Cleared { tier: Some(Tier::Other("x".into())) }),
         ];
-        for (ts, load) in [
-            (0.0, None),
-            (-0.0, Some(Load { running: -0.0, waiting: f64::NAN, kv_usage: 1.0, scraped_at_ms: 0 })),
-            (f64::NAN, Some(Load { running: 0.0, waiting: 0.0, kv_usage: 0.0, scraped_at_ms: u64::MAX })),
+        let live = |state, reason: &str, since_ms, observed_at_ms| {
+            Some(Liveness { state, reason: reason.into(), since_ms, observed_at_ms })
+        };
+        for (ts, load, liveness) in [
+            (0.0, None, None),
+            (
+                -0.0,
+                Some(Load { running: -0.0, waiting: f64::NAN, kv_usage: 1.0, scraped_at_ms: 0 }),
+                live(EngineState::Alive, "", 0, 0),
+            ),
+            (
+                f64::NAN,
+                Some(Load { running: 0.0, waiting: 0.0, kv_usage: 0.0, scraped_at_ms: u64::MAX }),
+                live(EngineState::Stopped, "connection refused", u64::MAX, 1),
+            ),
+            (1.0, None, live(EngineState::Wedged, "x", 1, u64::MAX)),
         ] {
             for (cursor, incarnation) in [(0, 0), (u64::MAX, u32::MAX)] {
                 let batch = Batch { dp_rank: 3, seq: 0, ts, events: events.clone() };
-                let r = Record { cursor, incarnation, body: RecordBody::Batch { batch, load } };
+                let r =
+                    Record { cursor, incarnation, body: RecordBody::Batch { batch, load, liveness: liveness.clone() } };
                 assert_eq!(subscribe_bytes(&r).to_vec(), prost_bytes(&r));
                 let empty = Batch { dp_rank: 0, seq: u64::MAX, ts, events: vec![] };
-                let r = Record { cursor, incarnation, body: RecordBody::Batch { batch: empty, load } };
+                let r = Record {
+                    cursor,
+                    incarnation,
+                    body: RecordBody::Batch { batch: empty, load, liveness: liveness.clone() },
+                };
                 assert_eq!(subscribe_bytes(&r).to_vec(), prost_bytes(&r));
             }
         }

@@ -324,7 +324,7 @@ impl Relay for RelayService {
                         skipped_blocks: h.skipped,
                         mismatch_rate: h.mismatch_rate(),
                     }),
-                    liveness: None,
+                    liveness: s.liveness.as_ref().map(convert::liveness_to_pb),
                 };
                 (r, rs)
             })
@@ -368,7 +368,7 @@ impl Relay for RelayService {
             subscribers: st.subscribers,
             counters,
             relay_version: env!("CARGO_PKG_VERSION").to_string(),
-            engine_url: String::new(),
+            engine_url: st.engine_url.clone().unwrap_or_default(),
         }))
     }
 

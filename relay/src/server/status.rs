@@ -5,7 +5,7 @@
 //! [`RelayStatusHandle`] is a cheap clone (an `Arc`); every setter takes the lock for a few
 //! field writes, never across an await, so the ingest's hot path pays a short uncontended lock.
 
-use crate::model::Load;
+use crate::model::{Liveness, Load};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -49,6 +49,8 @@ pub struct RankStatus {
     pub load: Option<Load>,
     /// What the block-hash check found; `None` when the check is off.
     pub hash_check: Option<HashCheckCounts>,
+    /// The engine's liveness for this rank; `None` when it is not watched.
+    pub liveness: Option<Liveness>,
 }
 
 /// A rank's block-hash check so far (see [`crate::hashcheck`]).
@@ -75,6 +77,8 @@ impl HashCheckCounts {
 pub struct RelayStatus {
     /// The engine's configured name.
     pub engine: String,
+    /// The engine's base URL, where routers send requests; `None` when not known.
+    pub engine_url: Option<String>,
     pub ranks: BTreeMap<u32, RankStatus>,
     /// Counters by name (the ingest's and the server's).
     pub counters: BTreeMap<String, u64>,
@@ -144,6 +148,16 @@ impl RelayStatusHandle {
         self.update_rank(dp_rank, |r| r.hash_check = counts);
     }
 
+    /// Sets the engine's base URL.
+    pub fn set_engine_url(&self, url: Option<String>) {
+        self.lock().engine_url = url;
+    }
+
+    /// Sets a rank's engine liveness.
+    pub fn set_liveness(&self, dp_rank: u32, liveness: Liveness) {
+        self.update_rank(dp_rank, |r| r.liveness = Some(liveness));
+    }
+
     /// Sets a rank's latest load.
     pub fn set_load(&self, dp_rank: u32, load: Load) {
         self.update_rank(dp_rank, |r| r.load = Some(load));
@@ -180,8 +194,9 @@ impl RelayStatusHandle {
 /// up skips them (its receiver lags and drops the oldest), and heartbeats are never in history.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Notice {
-    /// The rank is alive and this is its load (sent by the ingest about every second while the
-    /// rank is quiet).
+    /// The rank's publisher is followed and this is its load (sent by the ingest about every
+    /// second while the rank is quiet, and at once when the engine's liveness changes; the
+    /// stream adds the rank's liveness from the status).
     Heartbeat { dp_rank: u32, load: Option<Load> },
 }
 

@@ -362,14 +362,16 @@ impl Subscriber {
         }
     }
 
+    /// A heartbeat for `dp_rank` with `load` and the rank's engine liveness now.
     fn heartbeat(&self, dp_rank: u32, load: Option<pb::Load>) -> pb::SubscribeResponse {
+        let liveness = self.status.rank(dp_rank).and_then(|r| r.liveness).as_ref().map(super::convert::liveness_to_pb);
         pb::SubscribeResponse {
             message: Some(M::Heartbeat(pb::Heartbeat {
                 dp_rank,
                 load,
                 newest_cursor: self.store.newest_cursor(),
                 sent_at_ms: unix_ms(),
-                liveness: None,
+                liveness,
             })),
         }
     }

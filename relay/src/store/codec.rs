@@ -318,6 +318,12 @@ pub(crate) mod tests {
                     ],
                 },
                 load: Some(Load { running: 1.0, waiting: 2.0, kv_usage: 0.5, scraped_at_ms: 10 }),
+                liveness: Some(Liveness {
+                    state: EngineState::Wedged,
+                    reason: "no progress".into(),
+                    since_ms: 5,
+                    observed_at_ms: 9,
+                }),
             },
         };
         let b = encode_record(&rec).unwrap();
@@ -422,9 +428,21 @@ pub(crate) mod tests {
         let load = proptest::option::of((any::<f64>(), any::<f64>(), any::<f64>(), any::<u64>()).prop_map(
             |(running, waiting, kv_usage, scraped_at_ms)| Load { running, waiting, kv_usage, scraped_at_ms },
         ));
-        let batch = (any::<u32>(), any::<u64>(), any::<f64>(), proptest::collection::vec(event, 0..4), load).prop_map(
-            |(dp_rank, seq, ts, events, load)| RecordBody::Batch { batch: Batch { dp_rank, seq, ts, events }, load },
-        );
+        let state = prop_oneof![
+            Just(EngineState::Alive),
+            Just(EngineState::Unreachable),
+            Just(EngineState::Wedged),
+            Just(EngineState::Stopped)
+        ];
+        let liveness = proptest::option::of((state, ".{0,5}", any::<u64>(), any::<u64>()).prop_map(
+            |(state, reason, since_ms, observed_at_ms)| Liveness { state, reason, since_ms, observed_at_ms },
+        ));
+        let batch = (any::<u32>(), any::<u64>(), any::<f64>(), proptest::collection::vec(event, 0..4), load, liveness)
+            .prop_map(|(dp_rank, seq, ts, events, load, liveness)| RecordBody::Batch {
+                batch: Batch { dp_rank, seq, ts, events },
+                load,
+                liveness,
+            });
         let control = (any::<u32>(), ".{0,5}", 0..4u8).prop_map(|(dp_rank, reason, k)| {
             let kind = match k {
                 0 => ControlKind::RankReset { reason },

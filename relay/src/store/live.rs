@@ -647,7 +647,10 @@ mod tests {
 
     fn apply(live: &mut Live, events: Vec<Event>) {
         let c = live.cursor + 1;
-        live.apply(c, &RecordBody::Batch { batch: Batch { dp_rank: 0, seq: c, ts: 0.0, events }, load: None });
+        live.apply(
+            c,
+            &RecordBody::Batch { batch: Batch { dp_rank: 0, seq: c, ts: 0.0, events }, load: None, liveness: None },
+        );
     }
 
     fn all(live: &mut Live, tokens: bool) -> Vec<SnapshotBlock> {

@@ -1154,7 +1154,7 @@ mod tests {
     }
 
     fn batch(seq: u64, events: Vec<Event>) -> RecordBody {
-        RecordBody::Batch { batch: Batch { dp_rank: 0, seq, ts: 0.0, events }, load: None }
+        RecordBody::Batch { batch: Batch { dp_rank: 0, seq, ts: 0.0, events }, load: None, liveness: None }
     }
 
     #[test]

@@ -2,9 +2,12 @@
 //!
 //! A record's bytes begin with [`LAYOUT`] (format 1's records, MessagePack with field names, which
 //! a format-1 upgrade copies into the log as they are, begin with `0x92`: `codec.rs` reads both).
-//! Then: the cursor and the incarnation (LEB128), the body's tag (0 batch, 1 control).
+//! Then: the cursor and the incarnation (LEB128), the body's tag (0 batch, 1 control, 2 batch
+//! with the engine's liveness).
 //! - A batch: rank, seq (LEB128), ts (f64 LE), the load (a byte 0, or 1 then running, waiting,
-//!   kv usage as f64 LE and the scrape time LEB128), the event count, then each event.
+//!   kv usage as f64 LE and the scrape time LEB128), with tag 2 the liveness (the state as a
+//!   byte, 0 alive, 1 unreachable, 2 wedged, 3 stopped; the reason; since and observed at as
+//!   LEB128), the event count, then each event.
 //! - A store (tag 0): a flags byte ([`S_PARENT`] … [`S_EXTRA`]), the tier (`codec::put_tier`), the
 //!   group's index (LEB128), its kind and sliding window when flagged, the parent (u64 LE), the
 //!   block size (LEB128), the token layout (a byte), the namespace (`codec::put_namespace`), the
@@ -23,8 +26,8 @@
 
 use super::codec::{get_namespace, get_tier, put_namespace, put_tier, Reader};
 use crate::model::{
-    Batch, Block, Bytes, Cleared, Control, ControlKind, Event, Group, KeyPart, Load, MapParts, Record, RecordBody,
-    Removed, Stored, TokenLayout,
+    Batch, Block, Bytes, Cleared, Control, ControlKind, EngineState, Event, Group, KeyPart, Liveness, Load, MapParts,
+    Record, RecordBody, Removed, Stored, TokenLayout,
 };
 
 /// The first byte of a record in this layout.
@@ -304,8 +307,8 @@ pub(crate) fn encode(r: &Record, out: &mut Vec<u8>) -> Result<(), String> {
     put_varint(out, r.cursor);
     put_varint(out, u64::from(r.incarnation));
     match &r.body {
-        RecordBody::Batch { batch, load } => {
-            out.push(0);
+        RecordBody::Batch { batch, load, liveness } => {
+            out.push(if liveness.is_some() { 2 } else { 0 });
             put_varint(out, u64::from(batch.dp_rank));
             put_varint(out, batch.seq);
             put_f64(out, batch.ts);
@@ -315,6 +318,17 @@ pub(crate) fn encode(r: &Record, out: &mut Vec<u8>) -> Result<(), String> {
                 put_f64(out, l.kv_usage);
                 put_varint(out, l.scraped_at_ms);
             });
+            if let Some(l) = liveness {
+                out.push(match l.state {
+                    EngineState::Alive => 0,
+                    EngineState::Unreachable => 1,
+                    EngineState::Wedged => 2,
+                    EngineState::Stopped => 3,
+                });
+                put_str(out, &l.reason);
+                put_varint(out, l.since_ms);
+                put_varint(out, l.observed_at_ms);
+            }
             put_varint(out, batch.events.len() as u64);
             for e in &batch.events {
                 match e {
@@ -370,7 +384,7 @@ pub(crate) fn decode(b: &[u8]) -> Option<Record> {
     let cursor = get_varint(&mut r)?;
     let incarnation = get_u32(&mut r)?;
     let body = match r.u8()? {
-        0 => {
+        tag @ (0 | 2) => {
             let dp_rank = get_u32(&mut r)?;
             let seq = get_varint(&mut r)?;
             let ts = get_f64(&mut r)?;
@@ -382,6 +396,23 @@ pub(crate) fn decode(b: &[u8]) -> Option<Record> {
                     scraped_at_ms: get_varint(r)?,
                 })
             })?;
+            let liveness = if tag == 2 {
+                let state = match r.u8()? {
+                    0 => EngineState::Alive,
+                    1 => EngineState::Unreachable,
+                    2 => EngineState::Wedged,
+                    3 => EngineState::Stopped,
+                    _ => return None,
+                };
+                Some(Liveness {
+                    state,
+                    reason: get_str(&mut r)?,
+                    since_ms: get_varint(&mut r)?,
+                    observed_at_ms: get_varint(&mut r)?,
+                })
+            } else {
+                None
+            };
             let n = get_count(&mut r)?;
             let mut events = Vec::with_capacity(n);
             for _ in 0..n {
@@ -399,7 +430,7 @@ pub(crate) fn decode(b: &[u8]) -> Option<Record> {
                     _ => return None,
                 });
             }
-            RecordBody::Batch { batch: Batch { dp_rank, seq, ts, events }, load }
+            RecordBody::Batch { batch: Batch { dp_rank, seq, ts, events }, load, liveness }
         }
         1 => {
             let dp_rank = get_u32(&mut r)?;

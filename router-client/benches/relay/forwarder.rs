@@ -151,7 +151,7 @@ pub fn main(spec: &str) {
                         let n = norm.normalize(raw.dp_rank.unwrap_or(rank), seq, raw);
                         let mut cursor = shared.cursor.lock().expect("cursor");
                         *cursor += 1;
-                        let body = RecordBody::Batch { batch: n.batch, load: None };
+                        let body = RecordBody::Batch { batch: n.batch, load: None, liveness: None };
                         let r = Record { cursor: *cursor, incarnation: 1, body };
                         // No receiver yet is not an error: nobody subscribes.
                         let _ = shared.tx.send((*cursor, subscribe_bytes(&r)));

@@ -97,7 +97,7 @@ impl Traffic {
         let seq = self.seq.entry(dp_rank).or_insert(0);
         *seq += 1;
         let load = Load { running: dp_rank as f64, waiting: 0.0, kv_usage: 0.5, scraped_at_ms: *seq };
-        RecordBody::Batch { batch: Batch { dp_rank, seq: *seq, ts: 0.0, events }, load: Some(load) }
+        RecordBody::Batch { batch: Batch { dp_rank, seq: *seq, ts: 0.0, events }, load: Some(load), liveness: None }
     }
 
     fn commit(&mut self, store: &Store, n: usize, records: &mut Vec<Record>) {
@@ -504,6 +504,7 @@ async fn router_http_api_answers_exactly_over_two_relays() {
                 })],
             },
             load: Some(Load { running: 9.0, waiting: 2.0, kv_usage: 0.75, scraped_at_ms: 1 }),
+            liveness: None,
         };
         rec2.push(s2.commit(body).unwrap());
     }

@@ -56,7 +56,7 @@ impl Relay {
     pub fn commit(&mut self, rank: usize, events: Vec<Event>, running: f64) {
         self.seq[rank] += 1;
         let batch = Batch { dp_rank: rank as u32, seq: self.seq[rank], ts: 0.0, events };
-        self.store.commit(RecordBody::Batch { batch, load: load(running) }).expect("commit");
+        self.store.commit(RecordBody::Batch { batch, load: load(running), liveness: None }).expect("commit");
     }
 }
 

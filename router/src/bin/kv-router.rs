@@ -1,5 +1,7 @@
-//! `kv-router`: the example router. Follows a set of kv-relays, holds the prefix index, and
-//! answers match queries over HTTP (`POST /match`, `GET /workers`, `GET /metrics`).
+//! `kv-router`: the router. Follows a set of kv-relays, holds the prefix index, routes
+//! (`POST /route`, `POST /route/report`), serves OpenAI requests in front of the engines
+//! (`/v1/completions`, `/v1/chat/completions`, `/v1/models`), and answers match queries
+//! (`POST /match`, `GET /workers`, `GET /metrics`).
 //!
 //! Two runtimes. The relays' streams (one task each, a thousand in a fleet) and discovery run
 //! on the main multi-threaded runtime; the HTTP API runs on a runtime of its own, on its own
@@ -17,6 +19,8 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::Parser as _;
 use kv_router::cli::Args;
+use kv_router::front::FrontConfig;
+use kv_router::http::HashSettings;
 use kv_router::{http, CacheAwareConfig, Overload, Router, RouterConfig, TrackerConfig};
 use kv_router_client::discovery::{parse_relays_file, Discovery, DnsName, SystemResolver};
 use kv_router_client::{validate_url, FollowConfig, Follower};
@@ -33,6 +37,7 @@ struct Config {
     stream_niceness: u8,
     follow: FollowConfig,
     routing: RouterConfig,
+    front: FrontConfig,
 }
 
 fn config(args: Args) -> anyhow::Result<Config> {
@@ -53,6 +58,14 @@ fn config(args: Args) -> anyhow::Result<Config> {
         Some(p) => Some(std::fs::read(p).with_context(|| format!("reading {}", p.display()))?),
         None => None,
     };
+    let hash = match &args.engine_hash {
+        Some(j) => {
+            let h: HashSettings = serde_json::from_str(j).with_context(|| format!("--engine-hash {j}"))?;
+            Some(h.resolve().map_err(|e| anyhow::anyhow!("--engine-hash: {e}"))?)
+        }
+        None => None,
+    };
+    let front = FrontConfig { hash, connect_timeout: Duration::from_millis(args.engine_connect_timeout_ms) };
     let follow = FollowConfig {
         stale_after: Duration::from_secs_f64(args.worker_stall_secs),
         receive_timeout: Duration::from_millis(args.receive_timeout_ms.max(1)),
@@ -93,6 +106,7 @@ fn config(args: Args) -> anyhow::Result<Config> {
             },
             ..RouterConfig::default()
         },
+        front,
     })
 }
 
@@ -117,7 +131,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let mut http = serve_http(listener, router.clone(), cfg.http_threads, stopped)?;
+    let mut http = serve_http(listener, router.clone(), cfg.front, cfg.http_threads, stopped)?;
     println!("kv-router listening on http://{addr} following {following} relay(s), policy {}", router.policy());
     tracing::info!(%addr, relays = following, http_threads = cfg.http_threads, "listening");
     let rediscover = changing.then(|| {
@@ -149,6 +163,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
 fn serve_http(
     listener: std::net::TcpListener,
     router: Arc<Router>,
+    front: FrontConfig,
     threads: usize,
     stop: tokio::sync::oneshot::Receiver<()>,
 ) -> anyhow::Result<tokio::sync::oneshot::Receiver<std::io::Result<()>>> {
@@ -167,7 +182,7 @@ fn serve_http(
         .spawn(move || {
             let r = rt.block_on(async move {
                 let listener = tokio::net::TcpListener::from_std(listener)?;
-                http::serve(listener, router, async move {
+                http::serve_with(listener, router, front, async move {
                     let _ = stop.await;
                 })
                 .await

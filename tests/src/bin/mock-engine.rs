@@ -15,6 +15,7 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use kv_relay_testkit::capture::{play, ranks_needed, read_capture};
 use kv_relay_testkit::engine::{EngineConfig, Garbage, MockEngine};
+use kv_relay_testkit::face::Fault;
 use kv_relay_testkit::generate::{generate, GenerateOptions};
 use kv_relay_testkit::metrics::Load;
 use kv_relay_testkit::traffic::{MooncakeSource, RandomSource, RequestSource};
@@ -49,8 +50,9 @@ struct Args {
     /// Replay buffer bound in batches.
     #[arg(long, default_value_t = 10_000)]
     buffer_steps: usize,
-    /// Serve Prometheus /metrics here (port 0: ephemeral).
-    #[arg(long)]
+    /// Serve the HTTP face here (port 0: ephemeral): /metrics, /health, /v1/models and
+    /// /v1/completions, /v1/chat/completions served by the ranks' prefix caches.
+    #[arg(long, alias = "http-listen")]
     metrics_listen: Option<SocketAddr>,
     #[arg(long, default_value = "mock-model")]
     model_name: String,
@@ -99,7 +101,7 @@ const HELP: &str = "commands (RANK omitted = every rank): drop N [RANK] | lose N
 trim-buffer KEEP [RANK] | delay DURATION [RANK] | restart RANK | stop RANK | start RANK | \
 clear RANK | clear-next RANK | garbage RANK [frames|short-seq|not-msgpack|truncated|malformed-event] | \
 layout old|new [RANK] | load RANK RUNNING WAITING USAGE | pause | resume | flush | truth | \
-stats | endpoints | quit";
+stats | endpoints | fault none|wedged|unhealthy|frozen|listener-gone | quit";
 
 fn parse_rate(s: &str) -> anyhow::Result<f64> {
     let n = s.trim().trim_end_matches("/s");
@@ -244,6 +246,17 @@ fn command(engine: &MockEngine, line: &str) -> anyhow::Result<Option<String>> {
         }
         "pause" => engine.pause(),
         "resume" => engine.resume(),
+        "fault" => {
+            let f = match *rest.first().context("needs a fault")? {
+                "none" => Fault::None,
+                "wedged" => Fault::Wedged,
+                "unhealthy" => Fault::Unhealthy,
+                "frozen" => Fault::Frozen,
+                "listener-gone" => Fault::ListenerGone,
+                other => bail!("unknown fault {other:?}"),
+            };
+            engine.face().context("no HTTP face: start with --http-listen")?.set_fault(f)?;
+        }
         "flush" => engine.flush()?,
         "truth" => {
             engine.flush()?;
@@ -265,12 +278,14 @@ fn endpoints_json(engine: &MockEngine) -> serde_json::Value {
         "wire": engine.wire().to_string(),
         "ranks": engine.endpoints(),
         "metrics": engine.metrics_addr().map(|a| format!("http://{a}/metrics")),
+        "url": engine.url(),
     })
 }
 
 fn run(args: Args) -> anyhow::Result<()> {
     let (cfg, traffic) = build(&args)?;
     let engine = Arc::new(MockEngine::start(cfg).context("starting the mock engine")?);
+    engine.serve_completions();
     for ep in engine.endpoints() {
         println!("rank {} pub {} replay {}", ep.rank, ep.publisher, ep.replay.as_deref().unwrap_or("none"));
     }

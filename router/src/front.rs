@@ -1,0 +1,329 @@
+//! The OpenAI-compatible front: `POST /v1/completions`, `POST /v1/chat/completions` and
+//! `GET /v1/models`, passed through to the engine [`Router::route`] chooses.
+//!
+//! The request body goes to the engine byte for byte (vLLM takes the DP rank in the
+//! `X-data-parallel-rank` header), and the engine's status, headers and body (streamed, so SSE
+//! passes through as the engine writes it) come back the same way. A worker that refuses the
+//! connection, or fails before the engine's first byte, is reported (it leaves routing when the
+//! connection failed) and the request is sent once more, to the next choice. Each request's end
+//! goes to [`Router::report`]: `done` with the tokens of the engine's `usage` once its body has
+//! been passed on whole, `failed` when the client went away first (dropping the body drops the
+//! upstream request, which cancels it in the engine).
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::extract::State;
+use axum::http::{header, HeaderMap, HeaderValue, Method, Request, StatusCode, Uri};
+use axum::response::{IntoResponse, Response};
+use http_body::Frame;
+use hyper::body::Incoming;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
+use serde::Serialize;
+
+use crate::liveness::Outcome;
+use crate::router::{RouteError, Routed, Router, Tokens};
+
+/// The header vLLM's OpenAI server takes a request's DP rank from.
+pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+
+/// The most of an engine's answer kept to read its `usage` from: a non-streaming answer's
+/// whole JSON up to this size, a stream's last bytes.
+const USAGE_WINDOW: usize = 1 << 20;
+
+/// The front's settings.
+#[derive(Clone, Debug)]
+pub struct FrontConfig {
+    /// How the engines hash blocks: token-id prompts are hashed with it and routed by their
+    /// prefix. `None`: requests are routed by load alone.
+    pub hash: Option<EngineHashConfig>,
+    /// Connecting to an engine gives up after this long (and counts as a refused connection).
+    pub connect_timeout: Duration,
+}
+
+impl Default for FrontConfig {
+    fn default() -> Self {
+        FrontConfig { hash: None, connect_timeout: Duration::from_secs(2) }
+    }
+}
+
+/// The front's state: the router and one pooled HTTP/1.1 client to the engines.
+pub struct Front {
+    router: Arc<Router>,
+    client: Client<HttpConnector, Body>,
+    cfg: FrontConfig,
+}
+
+impl Front {
+    pub fn new(router: Arc<Router>, cfg: FrontConfig) -> Front {
+        let mut connector = HttpConnector::new();
+        connector.set_connect_timeout(Some(cfg.connect_timeout));
+        connector.set_nodelay(true);
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        Front { router, client, cfg }
+    }
+
+    /// The request's block hashes, when its prompt is token ids and the engine's hash settings
+    /// are known; empty otherwise (routed by load).
+    pub fn prompt_hashes(&self, body: &[u8]) -> Vec<u64> {
+        let Some(engine) = &self.cfg.hash else { return Vec::new() };
+        let Some(tokens) = prompt_token_ids(body) else { return Vec::new() };
+        block_event_hashes(engine, &RequestKeys { token_ids: &tokens, ..RequestKeys::default() }).unwrap_or_default()
+    }
+}
+
+/// The token ids of a completion request's prompt (`"prompt": [1, 2, ...]`, or the first of a
+/// batch `[[...], ...]`), when it has them.
+pub fn prompt_token_ids(body: &[u8]) -> Option<Vec<u64>> {
+    #[derive(serde::Deserialize)]
+    struct Prompt {
+        prompt: Option<serde_json::Value>,
+    }
+    let p: Prompt = serde_json::from_slice(body).ok()?;
+    let ids = match p.prompt? {
+        serde_json::Value::Array(a) => match a.first() {
+            Some(serde_json::Value::Array(inner)) => inner.clone(),
+            _ => a,
+        },
+        _ => return None,
+    };
+    ids.iter().map(serde_json::Value::as_u64).collect()
+}
+
+#[derive(Serialize)]
+struct ErrorBody {
+    error: ErrorDetail,
+}
+
+#[derive(Serialize)]
+struct ErrorDetail {
+    message: String,
+    r#type: &'static str,
+    code: u16,
+}
+
+/// An error in the OpenAI shape.
+fn error(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Response {
+    let body = ErrorBody { error: ErrorDetail { message: message.into(), r#type: kind, code: status.as_u16() } };
+    let bytes = serde_json::to_vec(&body).unwrap_or_default();
+    (status, [(header::CONTENT_TYPE, "application/json")], bytes).into_response()
+}
+
+/// What a routed request's end is reported with: dropped before the body ended, it reports
+/// `failed`; at the end, `done` with the tokens read from the body's `usage`.
+struct Report {
+    router: Arc<Router>,
+    request_id: u64,
+    /// The body's bytes kept for `usage`: all of a JSON answer up to the window, a stream's tail.
+    kept: Vec<u8>,
+    ended: bool,
+}
+
+impl Report {
+    fn keep(&mut self, data: &[u8]) {
+        self.kept.extend_from_slice(data);
+        if self.kept.len() > 2 * USAGE_WINDOW {
+            self.kept.drain(..self.kept.len() - USAGE_WINDOW);
+        }
+    }
+}
+
+impl Drop for Report {
+    fn drop(&mut self) {
+        let (outcome, tokens) = if self.ended {
+            (Outcome::Done, usage(&self.kept))
+        } else {
+            (Outcome::Failed { connect: false }, Tokens::default())
+        };
+        let _ = self.router.report(self.request_id, outcome, tokens);
+    }
+}
+
+/// The tokens of the last `usage` object in an engine's answer (a JSON body, or SSE chunks).
+pub fn usage(body: &[u8]) -> Tokens {
+    fn read(v: &serde_json::Value) -> Option<Tokens> {
+        let u = v.get("usage")?;
+        if u.is_null() {
+            return None;
+        }
+        Some(Tokens {
+            prompt_tokens: u.get("prompt_tokens").and_then(|v| v.as_u64()).unwrap_or(0),
+            completion_tokens: u.get("completion_tokens").and_then(|v| v.as_u64()).unwrap_or(0),
+            cached_tokens: u.get("prompt_tokens_details").and_then(|d| d.get("cached_tokens")).and_then(|v| v.as_u64()),
+        })
+    }
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(body) {
+        return read(&v).unwrap_or_default();
+    }
+    let text = String::from_utf8_lossy(body);
+    text.lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d.trim()).ok())
+        .find_map(|v| read(&v))
+        .unwrap_or_default()
+}
+
+/// The engine's body on its way to the client, watched for its end.
+struct Watched {
+    inner: Incoming,
+    report: Report,
+}
+
+impl http_body::Body for Watched {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let this = &mut *self;
+        let polled = Pin::new(&mut this.inner).poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(data) = frame.data_ref() {
+                    this.report.keep(data);
+                }
+                // The server may stop polling once the body says it has ended.
+                if this.inner.is_end_stream() {
+                    this.report.ended = true;
+                }
+            }
+            Poll::Ready(None) => this.report.ended = true,
+            _ => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+/// The upstream request to `routed`'s engine.
+fn upstream(routed: &Routed, path: &str, headers: &HeaderMap, body: Bytes) -> Result<Request<Body>, String> {
+    let base = routed.engine_url.as_deref().ok_or_else(|| {
+        format!(
+            "relay {} reports no engine URL for rank {} (set --engine-url on the relay)",
+            routed.relay, routed.dp_rank
+        )
+    })?;
+    let uri: Uri =
+        format!("{}{path}", base.trim_end_matches('/')).parse().map_err(|e| format!("engine URL {base}: {e}"))?;
+    let mut req = Request::builder().method(Method::POST).uri(uri);
+    for (name, value) in headers {
+        // Hop-by-hop and framing headers are the client's connection's, not the engine's.
+        if [header::HOST, header::CONNECTION, header::CONTENT_LENGTH, header::TRANSFER_ENCODING].contains(name) {
+            continue;
+        }
+        if name.as_str() == DP_RANK_HEADER {
+            continue;
+        }
+        req = req.header(name, value);
+    }
+    req = req.header(DP_RANK_HEADER, HeaderValue::from(routed.dp_rank));
+    req.body(Body::from(body)).map_err(|e| e.to_string())
+}
+
+async fn forward(front: Arc<Front>, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
+    let hashes = front.prompt_hashes(&body);
+    let mut last_error = String::new();
+    for _attempt in 0..2 {
+        let routed = match front.router.route(&hashes) {
+            Ok(r) => r,
+            Err(e @ (RouteError::NoWorker { .. } | RouteError::Shed)) => {
+                return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", e.to_string())
+            }
+            Err(RouteError::Hash(e)) => return error(StatusCode::BAD_REQUEST, "invalid_request_error", e),
+        };
+        let req = match upstream(&routed, path, &headers, body.clone()) {
+            Ok(r) => r,
+            Err(e) => {
+                let _ = front.router.report(routed.request_id, Outcome::Failed { connect: true }, Tokens::default());
+                last_error = e;
+                continue;
+            }
+        };
+        match front.client.request(req).await {
+            Ok(resp) => {
+                let (parts, inner) = resp.into_parts();
+                let report = Report {
+                    router: front.router.clone(),
+                    request_id: routed.request_id,
+                    kept: Vec::new(),
+                    ended: false,
+                };
+                return Response::from_parts(parts, Body::new(Watched { inner, report }));
+            }
+            Err(e) => {
+                // No byte of the engine's answer arrived: the next choice gets the request.
+                let connect = e.is_connect();
+                let _ = front.router.report(routed.request_id, Outcome::Failed { connect }, Tokens::default());
+                last_error = format!("{} rank {}: {}", routed.relay, routed.dp_rank, error_chain(&e));
+            }
+        }
+    }
+    error(StatusCode::BAD_GATEWAY, "bad_gateway", format!("no engine answered: {last_error}"))
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
+async fn completions(State(f): State<Arc<Front>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(f, "/v1/completions", headers, body).await
+}
+
+async fn chat_completions(State(f): State<Arc<Front>>, headers: HeaderMap, body: Bytes) -> Response {
+    forward(f, "/v1/chat/completions", headers, body).await
+}
+
+/// `GET /v1/models`: the first routable engine's answer.
+async fn models(State(f): State<Arc<Front>>) -> Response {
+    let engine = f
+        .router
+        .workers()
+        .into_iter()
+        .find(|w| w.routing.routing == "routable" && w.worker.engine_url.is_some())
+        .and_then(|w| w.worker.engine_url);
+    let Some(base) = engine else {
+        return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no routable engine with a known URL");
+    };
+    let uri: Uri = match format!("{}/v1/models", base.trim_end_matches('/')).parse() {
+        Ok(u) => u,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_gateway", format!("engine URL {base}: {e}")),
+    };
+    let req = match Request::builder().method(Method::GET).uri(uri).body(Body::empty()) {
+        Ok(r) => r,
+        Err(e) => return error(StatusCode::BAD_GATEWAY, "bad_gateway", e.to_string()),
+    };
+    match f.client.request(req).await {
+        Ok(resp) => resp.map(Body::new).into_response(),
+        Err(e) => error(StatusCode::BAD_GATEWAY, "bad_gateway", error_chain(&e)),
+    }
+}
+
+/// The front's routes, to merge into the API's.
+pub fn routes(front: Arc<Front>) -> axum::Router {
+    use axum::routing::{get, post};
+    axum::Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .with_state(front)
+}
