@@ -39,11 +39,11 @@ struct Fleet {
     stop: tokio::sync::oneshot::Sender<()>,
 }
 
-async fn fleet(n: usize) -> Fleet {
+async fn fleet(n: usize, relay_args: &[&str]) -> Fleet {
     let engines: Vec<_> = (0..n).map(|_| engine()).collect();
     let mut relays = Vec::new();
     for e in &engines {
-        relays.push(start_relay(e, &[]).await);
+        relays.push(start_relay(e, relay_args).await);
     }
     let follower = Follower::new(FollowConfig { start_jitter: Duration::ZERO, ..FollowConfig::default() });
     for r in &relays {
@@ -109,7 +109,7 @@ async fn reported(router: &Router, n: u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_goes_where_its_prefix_is_and_the_engine_caches_what_was_predicted() {
-    let f = fleet(2).await;
+    let f = fleet(2, &[]).await;
     let prompt: Vec<u64> = (1..=34).collect();
     let body = serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4}).to_string();
     let (status, first) = post(f.addr, "/v1/completions", body.clone()).await;
@@ -169,27 +169,50 @@ async fn a_repeated_prompt_goes_where_its_prefix_is_and_the_engine_caches_what_w
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_connection_goes_to_the_next_choice_and_takes_the_worker_out() {
-    let f = fleet(2).await;
-    // Engine 0 stops listening; its relay has not noticed yet when the first request comes.
-    f.engines[0].face().unwrap().set_fault(Fault::ListenerGone).unwrap();
-    let mut served = [0u64; 2];
-    for i in 0..6u64 {
-        let body = serde_json::json!({"prompt": [i, i + 1, i + 2, i + 3, i + 4]}).to_string();
-        let (status, text) = post(f.addr, "/v1/completions", body).await;
-        assert_eq!(status, 200, "{text}");
-        for (e, s) in f.engines.iter().zip(served.iter_mut()) {
-            *s = e.face().unwrap().counters()[0].prompt_tokens;
+    // The relays do not probe the engines' health: the refused connection alone takes the
+    // worker out (a relay would see the engine stopped within a second, racing the request).
+    let f = fleet(2, &["--engine-health-url", "off"]).await;
+    // Engine 0 holds the prompt's 2 blocks, so the router chooses it first.
+    let prompt: Vec<u64> = (500..508).collect();
+    f.engines[0].complete(0, &prompt).unwrap();
+    let hashes = kv_relay_proto::hash::block_event_hashes(
+        &EngineHashConfig::vllm("0.32".parse().unwrap(), VllmHashAlgo::Sha256Cbor, None, BLOCK as usize).unwrap(),
+        &kv_relay_proto::hash::RequestKeys { token_ids: &prompt, ..Default::default() },
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = f.router.follower().matches(&hashes, Default::default());
+        let holder = m.iter().find(|w| w.matched_blocks == 2);
+        if let Some(w) = holder {
+            assert_eq!(f.engine_of(w.engine_url.map(|u| &**u).unwrap()), 0);
+            break;
         }
+        assert!(Instant::now() < deadline, "the router never saw engine 0's blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(served, [0, 30]);
+    // Engine 0 stops listening: the request is refused there and served by engine 1.
+    f.engines[0].face().unwrap().set_fault(Fault::ListenerGone).unwrap();
+    let (status, text) = post(f.addr, "/v1/completions", serde_json::json!({"prompt": prompt}).to_string()).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(usage(&text)["prompt_tokens_details"]["cached_tokens"], 0);
+    // One connection refused, before the request was retried on engine 1; engine 0 is out.
+    reported(&f.router, 2).await;
+    let c = f.router.counters().tracker;
+    assert_eq!((c.done, c.connect_failures, c.failures), (1, 1, 0), "{c:?}");
     let w0 =
         f.router.workers().into_iter().find(|w| f.engine_of(w.worker.engine_url.as_deref().unwrap()) == 0).unwrap();
     assert_ne!(w0.routing.routing, "routable", "{w0:?}");
-    // Six served, and the refused connection(s) before the first retry.
-    let c = f.router.counters().tracker;
-    assert_eq!(c.done, 6);
-    assert!(c.connect_failures >= 1, "{c:?}");
-    // Listening again: back in routing (its relay sees it alive, and one probe re-admits it).
+    // While it is out (a probe that finds it still refusing is retried too), engine 1 serves.
+    for i in 1..6u64 {
+        let body = serde_json::json!({"prompt": [i, i + 1, i + 2, i + 3, i + 4]}).to_string();
+        let (status, text) = post(f.addr, "/v1/completions", body).await;
+        assert_eq!(status, 200, "{text}");
+    }
+    let served: Vec<u64> = f.engines.iter().map(|e| e.face().unwrap().counters()[0].prompt_tokens).collect();
+    assert_eq!(served, [0, 8 + 5 * 5]);
+    assert_eq!(f.router.counters().tracker.done, 6);
+    // Listening again: back in routing (one probe re-admits it).
     f.engines[0].face().unwrap().set_fault(Fault::None).unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     let mut i = 100u64;
