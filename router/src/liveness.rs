@@ -156,11 +156,15 @@ struct Entry {
     in_flight: u32,
     /// Times the worker left routing.
     outs: u64,
+    /// Requests routed to it.
+    routed: u64,
+    /// Its relay was being resynced when last gated.
+    syncing: bool,
 }
 
 impl Default for Entry {
     fn default() -> Self {
-        Entry { breaker: Breaker::Closed, in_flight: 0, outs: 0 }
+        Entry { breaker: Breaker::Closed, in_flight: 0, outs: 0, routed: 0, syncing: false }
     }
 }
 
@@ -182,6 +186,8 @@ pub struct RoutingState {
     pub in_flight: u32,
     /// Times it left routing.
     pub outs: u64,
+    /// Requests routed to it.
+    pub routed: u64,
 }
 
 /// Why a report was not taken.
@@ -258,7 +264,14 @@ impl Tracker {
         let bad = s.cause();
         let probe_timeout = self.cfg.probe_timeout;
         let retry_after = self.cfg.retry_after;
-        let breaker = self.entry(id).breaker;
+        let e = self.entry(id);
+        // A resync says nothing of the engine: the worker waits for its index without a verdict
+        // (no breaker moves, no out is counted, and no probe is owed when it ends).
+        e.syncing = bad == Some(Cause::Syncing);
+        if e.syncing {
+            return Gate::Out(Cause::Syncing);
+        }
+        let breaker = e.breaker;
         match (breaker, bad) {
             (Breaker::Closed, None) => Gate::Route,
             (Breaker::Closed | Breaker::HalfOpen { .. }, Some(c)) => {
@@ -296,6 +309,7 @@ impl Tracker {
         self.next_ticket += 1;
         let e = self.entry(id);
         e.in_flight += 1;
+        e.routed += 1;
         if gate == Gate::Probe {
             e.breaker = Breaker::HalfOpen { probe: Some((ticket, now)) };
             self.counters.probes += 1;
@@ -379,12 +393,13 @@ impl Tracker {
     pub fn state(&self, id: WorkerId) -> RoutingState {
         let e = self.workers.get(id.get() as usize).copied().unwrap_or_default();
         let (routing, cause) = match e.breaker {
+            Breaker::Closed if e.syncing => ("out", Some(Cause::Syncing)),
             Breaker::Closed => ("routable", None),
             Breaker::Open { cause, .. } => ("out", Some(cause)),
             Breaker::HalfOpen { probe: None } => ("probing", None),
             Breaker::HalfOpen { probe: Some(_) } => ("probing", Some(Cause::Probing)),
         };
-        RoutingState { routing, cause, in_flight: e.in_flight, outs: e.outs }
+        RoutingState { routing, cause, in_flight: e.in_flight, outs: e.outs, routed: e.routed }
     }
 
     /// Worker `id`'s breaker.

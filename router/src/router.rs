@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
 use kv_router_client::index::TierId;
-use kv_router_client::{Follower, MatchOptions, WorkerInfo};
+use kv_router_client::{EngineLiveness, Follower, MatchOptions, WorkerInfo};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
@@ -296,11 +296,21 @@ impl Router {
         Ok(Reported { relay, dp_rank })
     }
 
-    /// Every worker known, with its routing state as last gated.
+    /// Every worker known, with its routing state now: each breaker is moved by the worker's
+    /// signals as a route would move it, so an idle router reports what its next route sees.
     pub fn workers(&self) -> Vec<RoutedWorker> {
         let workers = self.follower.workers();
-        let inner = self.lock();
-        workers.into_iter().map(|w| RoutedWorker { routing: inner.tracker.state(w.id), worker: w }).collect()
+        let now = Instant::now();
+        let mut inner = self.lock();
+        workers
+            .into_iter()
+            .map(|w| {
+                let engine = w.liveness.as_ref().map_or(EngineLiveness::Unknown, |l| l.state);
+                let signals = Signals { state: w.state, engine, engine_stopped: w.engine_stopped };
+                inner.tracker.gate(w.id, &signals, now);
+                RoutedWorker { routing: inner.tracker.state(w.id), worker: w }
+            })
+            .collect()
     }
 
     /// The counters.

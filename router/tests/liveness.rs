@@ -132,3 +132,28 @@ fn unreported_requests_are_forgotten_by_age_and_by_bound() {
     assert_eq!(t.counters().forgotten, 4);
     assert_eq!(t.report(fifth, Outcome::Done, t0), Ok(w(1)));
 }
+
+#[test]
+fn a_resync_holds_a_worker_without_a_verdict() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let now = Instant::now();
+    let syncing = with(WorkerState::Syncing, EngineLiveness::Alive);
+    // A new worker whose relay is syncing: out while it lasts, routable after, with no probe.
+    assert_eq!(t.gate(w(0), &syncing, now), Gate::Out(Cause::Syncing));
+    let s = t.state(w(0));
+    assert_eq!((s.routing, s.cause.map(Cause::as_str), s.outs), ("out", Some("syncing"), 0));
+    assert_eq!(t.gate(w(0), &GOOD, now), Gate::Route);
+    assert_eq!((t.state(w(0)).routing, t.counters().outs, t.counters().probes), ("routable", 0, 0));
+    // A worker out for its engine keeps its cause through a resync and still owes its probe.
+    let wedged = with(WorkerState::Fresh, EngineLiveness::Wedged);
+    assert_eq!(t.gate(w(0), &wedged, now), Gate::Out(Cause::Engine(EngineLiveness::Wedged)));
+    assert_eq!(t.gate(w(0), &syncing, now), Gate::Out(Cause::Syncing));
+    assert_eq!(t.breaker(w(0)), Breaker::Open { cause: Cause::Engine(EngineLiveness::Wedged), since: now });
+    assert_eq!(t.gate(w(0), &GOOD, now), Gate::Probe);
+    let probe = t.routed(w(0), Gate::Probe, now);
+    let other = t.routed(w(0), Gate::Route, now);
+    t.report(probe, Outcome::Done, now).unwrap();
+    t.report(other, Outcome::Done, now).unwrap();
+    let s = t.state(w(0));
+    assert_eq!((s.routing, s.outs, s.routed, s.in_flight), ("routable", 1, 2, 0));
+}
