@@ -53,7 +53,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use kv_relay::store::HistoryLimits;
-use kv_relay_testkit::drills::harness::{metric, status, wait_until, SHIPPED_ENV};
+use kv_relay_testkit::drills::harness::{announced_addr, metric, status, wait_until, SHIPPED_ENV};
 use kv_relay_testkit::fleet::{serve_store, Fleet, FleetOptions, StreamConfig};
 use kv_relay_testkit::pace::Pace;
 use kv_router_client::discovery::{Discovery, Lookup, Resolver};
@@ -310,14 +310,7 @@ impl Router {
         }
         let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn kv-router");
         let mut out = BufReader::new(child.stdout.take().expect("stdout"));
-        let mut line = String::new();
-        out.read_line(&mut line).expect("kv-router's first line");
-        let addr = line
-            .split("http://")
-            .nth(1)
-            .and_then(|s| s.split_whitespace().next())
-            .and_then(|a| a.parse().ok())
-            .unwrap_or_else(|| panic!("kv-router said {line:?}"));
+        let addr = announced_addr(&mut out, "kv-router");
         Router { child, addr, _out: out }
     }
 

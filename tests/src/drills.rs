@@ -14,6 +14,7 @@
 pub mod harness;
 pub mod proxy;
 pub mod router;
+pub mod routing;
 
 use harness::*;
 use kv_relay_proto::pb;
@@ -97,6 +98,13 @@ pub const DRILLS: &[(&str, Drill)] = &[
     ("oversized", oversized),
     ("soak", soak),
     ("disk_full", disk_full),
+    ("engine_killed", routing::engine_killed),
+    ("host_partitioned", routing::host_partitioned),
+    ("engine_wedged", routing::engine_wedged),
+    ("engine_frozen", routing::engine_frozen),
+    ("engine_restarted_empty", routing::engine_restarted_empty),
+    ("router_restarted", routing::router_restarted),
+    ("route_storm", routing::route_storm),
 ];
 
 /// What each drill needs: a runtime for the routers, a temp dir for state and logs.

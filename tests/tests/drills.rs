@@ -85,3 +85,38 @@ fn many_subscribers_keep_up_and_relay_rss_stays_flat() {
 fn disk_full_counts_errors_keeps_the_store_and_recovers() {
     run(drills::disk_full);
 }
+
+#[test]
+fn a_killed_engine_leaves_routing_within_2500ms_and_returns_when_it_serves() {
+    run(drills::routing::engine_killed);
+}
+
+#[test]
+fn a_partitioned_host_leaves_routing_within_2500ms_and_returns_after_the_heal() {
+    run(drills::routing::host_partitioned);
+}
+
+#[test]
+fn a_wedged_engine_leaves_routing_within_the_wedge_bound_and_returns_within_1s() {
+    run(drills::routing::engine_wedged);
+}
+
+#[test]
+fn a_frozen_engine_leaves_routing_within_2500ms_and_returns_within_1s_of_sigcont() {
+    run(drills::routing::engine_frozen);
+}
+
+#[test]
+fn an_engine_restarted_empty_is_readmitted_takes_misses_and_its_index_regrows() {
+    run(drills::routing::engine_restarted_empty);
+}
+
+#[test]
+fn a_router_restarted_under_load_serves_within_2s_with_every_index_equal() {
+    run(drills::routing::router_restarted);
+}
+
+#[test]
+fn five_hundred_twelve_concurrent_route_calls_all_answer_with_bounded_rss() {
+    run(drills::routing::route_storm);
+}

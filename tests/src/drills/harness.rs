@@ -33,13 +33,19 @@ pub const SHIPPED_ENV: [(&str, &str); 2] = [
 /// Where the relay binary is: `KV_RELAY_BIN`, else `target/debug/kv-relay` beside this crate
 /// (`cargo build -p kv-relay --bins` builds it; `.ci/run` builds every binary first).
 pub fn relay_bin() -> PathBuf {
-    if let Ok(p) = std::env::var("KV_RELAY_BIN") {
+    workspace_bin("kv-relay", "KV_RELAY_BIN")
+}
+
+/// A binary of the workspace: the path in `env` when set, else `target/debug/<name>` beside this
+/// crate (`cargo build --workspace --bins` builds them all).
+pub fn workspace_bin(name: &str, env: &str) -> PathBuf {
+    if let Ok(p) = std::env::var(env) {
         return PathBuf::from(p);
     }
     let target = std::env::var("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    target.join("debug/kv-relay")
+    target.join("debug").join(name)
 }
 
 /// A mock engine (vLLM 0.32 wire, GPU and host tiers, replay socket, `/metrics`) with `dp` ranks on free ports.
@@ -49,6 +55,16 @@ pub fn engine(dp: u32, buffer_steps: usize) -> Arc<MockEngine> {
 
 /// [`engine`] with another wire (e.g. SGLang's latest layout).
 pub fn engine_on(wire: WireVersion, dp: u32, buffer_steps: usize) -> Arc<MockEngine> {
+    engine_with(wire, dp, buffer_steps, |_| {})
+}
+
+/// [`engine_on`] with the configuration changed by `adjust` before the engine starts.
+pub fn engine_with(
+    wire: WireVersion,
+    dp: u32,
+    buffer_steps: usize,
+    adjust: impl Fn(&mut EngineConfig),
+) -> Arc<MockEngine> {
     for _ in 0..20 {
         let base = free_ports(2 * dp as u16);
         let mut cfg = EngineConfig::new(wire);
@@ -62,6 +78,7 @@ pub fn engine_on(wire: WireVersion, dp: u32, buffer_steps: usize) -> Arc<MockEng
         // GPU evictions offload to a host tier: "equal" is checked tier for tier.
         cfg.host_tier_blocks = 32;
         cfg.metrics_listen = Some("127.0.0.1:0".parse().expect("addr"));
+        adjust(&mut cfg);
         if let Ok(e) = MockEngine::start(cfg) {
             return Arc::new(e);
         }
@@ -219,6 +236,36 @@ pub fn diff(e: &MockEngine, s: &RouterState) -> String {
     )
 }
 
+/// What a relay needs to follow an engine: rank 0's endpoints (rank r: port + r), the topic,
+/// and its metrics URL (the health endpoint and the engine's URL derive from it).
+#[derive(Debug, Clone)]
+pub struct EngineSpec {
+    pub endpoint: String,
+    pub replay_endpoint: String,
+    pub dp_size: u32,
+    pub topic: String,
+    pub metrics_url: Option<String>,
+}
+
+/// The address a server announces on its first line of output (`... http://ADDR ...`, as
+/// `kv-router` prints it).
+pub fn announced_addr(out: &mut impl std::io::BufRead, what: &str) -> SocketAddr {
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap_or_else(|e| panic!("{what}'s first line: {e}"));
+    line.split("http://")
+        .nth(1)
+        .and_then(|s| s.split_whitespace().next())
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("{what} said {line:?}"))
+}
+
+/// A number from `/proc/PID/status` (`VmRSS`, `Threads`, ...).
+pub fn proc_status_of(pid: u32, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 /// A `kv-relay` process on fixed loopback ports, restartable on the same state directory.
 pub struct RelayProc {
     pub args: Vec<String>,
@@ -234,18 +281,30 @@ impl RelayProc {
     /// until it answers Status.
     pub fn start(e: &MockEngine, state_dir: &Path, log: &Path, extra: &[&str]) -> RelayProc {
         let c = e.config();
+        let spec = EngineSpec {
+            endpoint: c.endpoint.clone(),
+            replay_endpoint: c.replay_endpoint.clone().expect("replay endpoint"),
+            dp_size: c.dp_size,
+            topic: c.topic.clone(),
+            metrics_url: e.metrics_addr().map(|m| format!("http://{m}/metrics")),
+        };
+        RelayProc::start_for(&spec, state_dir, log, extra)
+    }
+
+    /// [`RelayProc::start`] for an engine known by its endpoints (e.g. a `mock-engine` process).
+    pub fn start_for(spec: &EngineSpec, state_dir: &Path, log: &Path, extra: &[&str]) -> RelayProc {
         let ports = free_ports(2);
         let listen: SocketAddr = format!("127.0.0.1:{ports}").parse().expect("addr");
         let metrics: SocketAddr = format!("127.0.0.1:{}", ports + 1).parse().expect("addr");
         let mut args: Vec<String> = vec![
             "--endpoint".into(),
-            c.endpoint.clone(),
+            spec.endpoint.clone(),
             "--replay-endpoint".into(),
-            c.replay_endpoint.clone().expect("replay endpoint"),
+            spec.replay_endpoint.clone(),
             "--dp-size".into(),
-            c.dp_size.to_string(),
+            spec.dp_size.to_string(),
             "--topic".into(),
-            c.topic.clone(),
+            spec.topic.clone(),
             "--state-dir".into(),
             state_dir.display().to_string(),
             "--listen".into(),
@@ -255,9 +314,9 @@ impl RelayProc {
             "--tail-probe-ms".into(),
             "300".into(),
         ];
-        if let Some(m) = e.metrics_addr() {
+        if let Some(m) = &spec.metrics_url {
             args.push("--engine-metrics-url".into());
-            args.push(format!("http://{m}/metrics"));
+            args.push(m.clone());
         }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut r = RelayProc {
@@ -358,9 +417,7 @@ impl RelayProc {
 
     /// A number from `/proc/PID/status` (`VmRSS`, `Threads`, ...).
     pub fn proc_status(&self, field: &str) -> Option<u64> {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
-        let line = s.lines().find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
-        line.split_whitespace().nth(1)?.parse().ok()
+        proc_status_of(self.pid()?, field)
     }
 
     /// The Prometheus text from `--metrics-listen`.
