@@ -57,6 +57,8 @@ KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-router-client --bench relay
 cargo test --locked -p kv-router --bench fleet -- --quick
 # What a `/match` answer costs (10 relays x 2 ranks), checked against the old path byte for byte.
 cargo test --locked -p kv-router --bench match -- --quick
+# A routing decision (Router::route + report) against Follower::matches, /route over HTTP, misses.
+cargo test --locked -p kv-router --bench route -- --quick
 
 disk
 

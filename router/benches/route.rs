@@ -7,7 +7,7 @@
 //! request as its peer; and 1,000 misses over idle workers, to show how they spread.
 //!
 //! ```text
-//! cargo bench --locked -p kv-router --bench route                   # 16 x 8 and 128 x 8 workers
+//! cargo bench --locked -p kv-router --bench route                   # 16 x 8 and 128 x 8 relays x ranks
 //! cargo test --locked -p kv-router --bench route -- --quick          # seconds (CI)
 //! ```
 //! Options: `--rate R` decisions a second (10,000), `--seconds S` per measurement (5),
