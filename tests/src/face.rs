@@ -62,6 +62,59 @@ pub struct Counters {
     pub generation_tokens: u64,
     /// Completions being served now.
     pub in_flight: u32,
+    /// Completions waiting for a place in the batch ([`CostModel::max_batch`]).
+    pub waiting: u32,
+}
+
+/// How long a completion takes on a rank, for a simulated fleet: at most `max_batch` requests
+/// run at once and the others queue for a place; one request at a time is prefilled (the rank's
+/// compute), `prefill_per_token` for each prompt token not already cached; then each output
+/// token (`max_tokens`) takes `decode_per_token`, alongside the other running requests. A
+/// stream's first chunk is sent when the prefill ends.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostModel {
+    pub max_batch: u32,
+    pub prefill_per_token: Duration,
+    pub decode_per_token: Duration,
+}
+
+/// Each rank's places in the batch and its prefill lane.
+struct Ranks {
+    running: Mutex<Vec<u32>>,
+    freed: Condvar,
+    prefill: Vec<Mutex<()>>,
+}
+
+/// A place in a rank's batch, given back when dropped.
+struct Place<'a> {
+    ranks: &'a Ranks,
+    rank: usize,
+}
+
+impl Ranks {
+    fn new(n: usize) -> Ranks {
+        Ranks {
+            running: Mutex::new(vec![0; n]),
+            freed: Condvar::new(),
+            prefill: (0..n).map(|_| Mutex::new(())).collect(),
+        }
+    }
+
+    fn place(&self, rank: usize, max: u32) -> Place<'_> {
+        let mut r = self.running.lock().expect("places");
+        while r[rank] >= max.max(1) {
+            r = self.freed.wait(r).expect("places");
+        }
+        r[rank] += 1;
+        Place { ranks: self, rank }
+    }
+}
+
+impl Drop for Place<'_> {
+    fn drop(&mut self) {
+        self.ranks.running.lock().expect("places")[self.rank] -= 1;
+        self.ranks.freed.notify_all();
+    }
 }
 
 struct Shared {
@@ -70,6 +123,8 @@ struct Shared {
     loads: Arc<Mutex<Vec<Load>>>,
     counters: Mutex<Vec<Counters>>,
     completer: RwLock<Option<Completer>>,
+    cost: RwLock<Option<CostModel>>,
+    ranks: Ranks,
     fault: Mutex<Fault>,
     /// Woken when the fault changes.
     changed: Condvar,
@@ -114,6 +169,8 @@ impl Face {
             loads,
             counters: Mutex::new(vec![Counters::default(); ranks]),
             completer: RwLock::new(None),
+            cost: RwLock::new(None),
+            ranks: Ranks::new(ranks),
             fault: Mutex::new(Fault::None),
             changed: Condvar::new(),
             stop: AtomicBool::new(false),
@@ -150,6 +207,11 @@ impl Face {
     /// Sets how completions are served.
     pub fn set_completer(&self, c: Completer) {
         *self.shared.completer.write().expect("completer") = Some(c);
+    }
+
+    /// Sets how long completions take (`None`: at once, [`COMPLETION_TOKENS`] each).
+    pub fn set_cost(&self, c: Option<CostModel>) {
+        *self.shared.cost.write().expect("cost") = c;
     }
 
     /// Each rank's counters.
@@ -273,8 +335,11 @@ fn answer(shared: &Shared, mut stream: TcpStream) -> std::io::Result<()> {
             let body = {
                 let loads = shared.loads.lock().expect("loads").clone();
                 let counters = shared.counters.lock().expect("counters").clone();
-                let loads: Vec<Load> =
-                    loads.iter().zip(&counters).map(|(l, c)| Load { running: l.running + c.in_flight, ..*l }).collect();
+                let loads: Vec<Load> = loads
+                    .iter()
+                    .zip(&counters)
+                    .map(|(l, c)| Load { running: l.running + c.in_flight, waiting: l.waiting + c.waiting, ..*l })
+                    .collect();
                 let mut text = render(shared.engine, &shared.model_name, &loads);
                 text.push_str(&render_counters(shared.engine, &shared.model_name, &counters));
                 text
@@ -330,27 +395,61 @@ fn complete(shared: &Shared, stream: &mut TcpStream, req: &Req) -> std::io::Resu
     let Some(completer) = completer else {
         return respond(stream, "503 Service Unavailable", "application/json", &error_json("no completions here", 503));
     };
-    shared.counters.lock().expect("counters")[rank as usize].in_flight += 1;
+    let cost = *shared.cost.read().expect("cost");
+    let r = rank as usize;
+    let place = cost.map(|c| {
+        shared.counters.lock().expect("counters")[r].waiting += 1;
+        let p = shared.ranks.place(r, c.max_batch);
+        shared.counters.lock().expect("counters")[r].waiting -= 1;
+        p
+    });
+    shared.counters.lock().expect("counters")[r].in_flight += 1;
     shared.wait_while(|f| f == Fault::Wedged);
+    let lane = place.as_ref().map(|_| shared.ranks.prefill[r].lock().expect("prefill lane"));
     let served = completer(rank, &tokens);
+    let output_tokens = match (cost, &served) {
+        (Some(c), Ok(s)) => {
+            let uncached = u32::try_from(s.prompt_tokens.saturating_sub(s.cached_tokens)).unwrap_or(u32::MAX);
+            std::thread::sleep(c.prefill_per_token * uncached);
+            v.get("max_tokens").and_then(serde_json::Value::as_u64).unwrap_or(COMPLETION_TOKENS).clamp(1, 4096)
+        }
+        _ => COMPLETION_TOKENS,
+    };
+    drop(lane);
+    let decode = cost.map_or(Duration::ZERO, |c| c.decode_per_token);
+    let result = answer_completion(shared, stream, (req, r), &v, served, output_tokens, decode);
     {
         let mut c = shared.counters.lock().expect("counters");
-        let c = &mut c[rank as usize];
-        c.in_flight -= 1;
-        if let Ok(s) = &served {
-            c.prompt_tokens += s.prompt_tokens;
-            c.generation_tokens += COMPLETION_TOKENS;
-        }
+        c[r].in_flight -= 1;
+    }
+    drop(place);
+    result
+}
+
+/// Writes a completion's answer: `output_tokens` tokens, each after `decode` (streamed: a chunk
+/// each, after a first chunk sent at once).
+fn answer_completion(
+    shared: &Shared,
+    stream: &mut TcpStream,
+    (req, rank): (&Req, usize),
+    v: &serde_json::Value,
+    served: Result<Served, String>,
+    output_tokens: u64,
+    decode: Duration,
+) -> std::io::Result<()> {
+    if let Ok(s) = &served {
+        shared.counters.lock().expect("counters")[rank].prompt_tokens += s.prompt_tokens;
     }
     let s = match served {
         Ok(s) => s,
         Err(e) => return respond(stream, "500 Internal Server Error", "application/json", &error_json(&e, 500)),
     };
+    let generated = |n: u64| shared.counters.lock().expect("counters")[rank].generation_tokens += n;
     let chat = req.path.ends_with("/chat/completions");
     let usage = serde_json::json!({
         "prompt_tokens": s.prompt_tokens,
-        "completion_tokens": COMPLETION_TOKENS,
-        "total_tokens": s.prompt_tokens + COMPLETION_TOKENS,
+        "completion_tokens": output_tokens,
+        "total_tokens": s.prompt_tokens + output_tokens,
         "prompt_tokens_details": {"cached_tokens": s.cached_tokens},
     });
     let (object, choice) = if chat {
@@ -365,7 +464,11 @@ fn complete(shared: &Shared, stream: &mut TcpStream, req: &Req) -> std::io::Resu
     if v.get("stream").and_then(|s| s.as_bool()) == Some(true) {
         let head = "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: close\r\n\r\n";
         stream.write_all(head.as_bytes())?;
-        for i in 0..COMPLETION_TOKENS {
+        for i in 0..output_tokens {
+            if i > 0 {
+                std::thread::sleep(decode);
+            }
+            generated(1);
             let delta = if chat {
                 serde_json::json!({"index": 0, "delta": {"content": format!("t{i}")}, "finish_reason": null})
             } else {
@@ -380,6 +483,8 @@ fn complete(shared: &Shared, stream: &mut TcpStream, req: &Req) -> std::io::Resu
         write!(stream, "data: {last}\n\ndata: [DONE]\n\n")?;
         return stream.flush();
     }
+    std::thread::sleep(decode * u32::try_from(output_tokens).unwrap_or(u32::MAX));
+    generated(output_tokens);
     let body =
         serde_json::json!({"id": "cmpl-mock", "object": object, "model": model, "choices": [choice], "usage": usage});
     respond(stream, "200 OK", "application/json", body.to_string().as_bytes())

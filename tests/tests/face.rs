@@ -123,3 +123,64 @@ fn faults_hold_refuse_and_fail_as_set() {
     face.set_fault(Fault::None).unwrap();
     assert_eq!(t.join().unwrap(), 200);
 }
+
+#[test]
+fn with_a_cost_model_requests_queue_for_the_batch_and_generate_max_tokens() {
+    use kv_relay_testkit::face::CostModel;
+    let e = engine(1);
+    let addr = e.metrics_addr().unwrap();
+    let face = e.face().unwrap();
+    // One request at a time; each uncached token takes 50 ms to prefill (12 tokens: 0.6 s).
+    let cost = CostModel {
+        max_batch: 1,
+        prefill_per_token: Duration::from_millis(50),
+        decode_per_token: Duration::from_millis(1),
+    };
+    face.set_cost(Some(cost));
+    let post =
+        |prompt: &'static str| std::thread::spawn(move || http_post(addr, "/v1/completions", &[], prompt).unwrap());
+    let a = post(r#"{"prompt": [1,2,3,4,5,6,7,8,9,10,11,12], "max_tokens": 3}"#);
+    // While the first is prefilled, the second waits for a place in the batch, and /metrics says so.
+    let until = std::time::Instant::now() + Duration::from_secs(10);
+    while face.counters()[0].in_flight == 0 {
+        assert!(std::time::Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let b = post(r#"{"prompt": [1,2,3,4,5,6,7,8,20,21,22,23], "stream": true, "max_tokens": 5}"#);
+    while face.counters()[0].waiting == 0 {
+        assert!(std::time::Instant::now() < until);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_eq!((face.counters()[0].in_flight, face.counters()[0].waiting), (1, 1));
+    let (_, metrics) = http_get(addr, "/metrics").unwrap();
+    let line = |name: &str| metrics.lines().find(|l| l.starts_with(name)).map(str::to_string);
+    assert_eq!(
+        line("vllm:num_requests_running").as_deref(),
+        Some("vllm:num_requests_running{engine=\"0\",model_name=\"mock-model\"} 1.0"),
+        "{metrics}"
+    );
+    assert_eq!(
+        line("vllm:num_requests_waiting").as_deref(),
+        Some("vllm:num_requests_waiting{engine=\"0\",model_name=\"mock-model\"} 1.0"),
+        "{metrics}"
+    );
+    let (status, body) = a.join().unwrap();
+    assert_eq!(status, 200);
+    let u = usage(&body);
+    assert_eq!(
+        (u["completion_tokens"].as_u64(), u["prompt_tokens_details"]["cached_tokens"].as_u64()),
+        (Some(3), Some(0))
+    );
+    // The second shares two blocks with the first: five chunks, then the usage, 8 tokens cached.
+    let (status, sse) = b.join().unwrap();
+    assert_eq!(status, 200);
+    let data: Vec<&str> = sse.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(data.len(), 5 + 2, "{sse}");
+    let last: serde_json::Value = serde_json::from_str(data[5]).unwrap();
+    assert_eq!(
+        (last["usage"]["completion_tokens"].as_u64(), last["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64()),
+        (Some(5), Some(8))
+    );
+    let c = face.counters()[0];
+    assert_eq!((c.prompt_tokens, c.generation_tokens, c.in_flight, c.waiting), (24, 8, 0, 0));
+}
