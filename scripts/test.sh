@@ -59,6 +59,8 @@ cargo test --locked -p kv-router --bench fleet -- --quick
 cargo test --locked -p kv-router --bench match -- --quick
 # A routing decision (Router::route + report) against Follower::matches, /route over HTTP, misses.
 cargo test --locked -p kv-router --bench route -- --quick
+# Routing quality on a simulated fleet (Mooncake, 4 engines with the cost model): ~15 s.
+cargo test --locked -p kv-router --bench serve -- --quick
 
 disk
 

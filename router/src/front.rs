@@ -32,6 +32,11 @@ use crate::router::{RouteError, Routed, Router, Tokens};
 
 /// The header vLLM's OpenAI server takes a request's DP rank from.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
+/// The answer's header naming the worker the router chose: its relay's URL and DP rank.
+pub const WORKER_HEADER: &str = "x-kv-router-worker";
+/// The answer's header with the request's leading blocks the router saw the worker hold: times
+/// the block size, the engine's `cached_tokens` when the prediction holds.
+pub const MATCHED_HEADER: &str = "x-kv-router-matched-blocks";
 
 /// The most of an engine's answer kept to read its `usage` from: a non-streaming answer's
 /// whole JSON up to this size, a stream's last bytes.
@@ -254,7 +259,13 @@ async fn forward(front: Arc<Front>, path: &'static str, headers: HeaderMap, body
         };
         match front.client.request(req).await {
             Ok(resp) => {
-                let (parts, inner) = resp.into_parts();
+                let (mut parts, inner) = resp.into_parts();
+                // What the router chose and predicted, for the client's own accounting.
+                let h = &mut parts.headers;
+                if let Ok(v) = HeaderValue::from_str(&format!("{} {}", routed.relay, routed.dp_rank)) {
+                    h.insert(WORKER_HEADER, v);
+                }
+                h.insert(MATCHED_HEADER, HeaderValue::from(routed.matched_blocks));
                 let report = Report {
                     router: front.router.clone(),
                     request_id: routed.request_id,

@@ -291,11 +291,23 @@ impl MockEngine {
         }));
     }
 
+    /// How many of the prompt's leading full blocks `rank`'s prefix cache holds now.
+    pub fn cached_blocks(&self, rank: u32, tokens: &[u64]) -> Result<usize, EngineError> {
+        let blocks = self.full_blocks(tokens);
+        let (_, st) = self.lock_state(rank)?;
+        Ok(st.cache.cached_prefix(&blocks))
+    }
+
+    /// A prompt's full blocks of tokens.
+    fn full_blocks(&self, tokens: &[u64]) -> Vec<Vec<u64>> {
+        tokens.chunks_exact(self.cfg.block_size as usize).map(<[u64]>::to_vec).collect()
+    }
+
     /// One completion on `rank`: the prompt's full blocks are served by its prefix cache and
     /// the step published; `cached_tokens` is the prefix that was already cached.
     pub fn complete(&self, rank: u32, tokens: &[u64]) -> Result<Served, EngineError> {
         let bs = self.cfg.block_size as usize;
-        let blocks: Vec<Vec<u64>> = tokens.chunks_exact(bs).map(<[u64]>::to_vec).collect();
+        let blocks = self.full_blocks(tokens);
         let cached = {
             let (_, st) = self.lock_state(rank)?;
             if !st.running {

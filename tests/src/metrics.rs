@@ -84,7 +84,7 @@ pub fn http_post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &
 }
 
 /// A chunked body's data.
-fn dechunk(mut rest: &str) -> String {
+pub fn dechunk(mut rest: &str) -> String {
     let mut out = String::new();
     while let Some((size, tail)) = rest.split_once("\r\n") {
         let Ok(n) = usize::from_str_radix(size.trim(), 16) else { break };
