@@ -278,14 +278,27 @@ fn the_kubernetes_example_parses() {
         std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/kubernetes/kv-router.yaml")).unwrap();
     let args: Vec<String> = manifest
         .lines()
-        .filter_map(|l| l.trim().strip_prefix("- --"))
+        .filter_map(|l| {
+            let l = l.trim();
+            // A quoted argument (YAML's single quotes around JSON) is one argument.
+            l.strip_prefix("- --").or_else(|| l.strip_prefix("- '--").and_then(|a| a.strip_suffix('\'')))
+        })
         .map(|a| format!("--{}", a.replace("$(POD_NAMESPACE)", "inference")))
         .collect();
-    assert_eq!(args.len(), 4, "{args:?}");
+    assert_eq!(args.len(), 5, "{args:?}");
     let parsed = kv_router::cli::Args::try_parse_from(std::iter::once("kv-router".to_string()).chain(args)).unwrap();
     assert_eq!(
         parsed.relays_dns,
         [DnsName { name: "vllm-llama-kv-relay.inference.svc.cluster.local.".into(), port: 50051 }]
     );
     assert_eq!((parsed.dns_interval_ms, parsed.dns_grace_ms), (5000, 30000));
+    // The front's hash settings are ones the router resolves.
+    let hash: kv_router::http::HashSettings = serde_json::from_str(parsed.engine_hash.as_deref().unwrap()).unwrap();
+    let want = kv_relay_proto::hash::EngineHashConfig::vllm(
+        "0.11.0".parse().unwrap(),
+        kv_relay_proto::hash::VllmHashAlgo::Sha256,
+        Some("0"),
+        16,
+    );
+    assert_eq!(hash.resolve().unwrap(), want.unwrap());
 }
