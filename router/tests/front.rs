@@ -226,3 +226,50 @@ async fn a_refused_connection_goes_to_the_next_choice_and_takes_the_worker_out()
     }
     f.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_goes_away_ends_the_engines_request_and_it_is_reported_failed() {
+    use kv_relay_testkit::face::CostModel;
+    use std::io::{Read, Write};
+    let f = fleet(1, &[]).await;
+    let face = f.engines[0].face().unwrap();
+    // 100 output tokens, 100 ms each: the stream would last 10 s.
+    let slow =
+        CostModel { max_batch: 8, prefill_per_token: Duration::ZERO, decode_per_token: Duration::from_millis(100) };
+    face.set_cost(Some(slow));
+    let addr = f.addr;
+    let first = tokio::task::spawn_blocking(move || {
+        let body = serde_json::json!({"prompt": [1, 2, 3, 4, 5], "max_tokens": 100, "stream": true}).to_string();
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut seen = Vec::new();
+        let mut buf = [0u8; 4096];
+        while !seen.windows(5).any(|w| w == b"data:") {
+            let n = s.read(&mut buf).unwrap();
+            assert!(n > 0, "the stream ended early");
+            seen.extend_from_slice(&buf[..n]);
+        }
+        String::from_utf8_lossy(&seen).into_owned()
+        // The connection closes here, with the stream's first chunk read.
+    })
+    .await
+    .unwrap();
+    assert!(first.to_ascii_lowercase().contains("x-kv-router-matched-blocks: 0"), "{first}");
+    assert_eq!(face.counters()[0].in_flight, 1);
+    // The engine's request ends long before its 10 s (its next write fails), and the router
+    // hears of it as failed.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while face.counters()[0].in_flight > 0 || f.router.in_flight() > 0 {
+        assert!(Instant::now() < deadline, "{:?} {:?}", face.counters(), f.router.counters());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let c = f.router.counters().tracker;
+    assert_eq!((c.done, c.failures, c.connect_failures), (0, 1, 0));
+    assert!(face.counters()[0].generation_tokens < 100, "{:?}", face.counters());
+    f.stop().await;
+}
