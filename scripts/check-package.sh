@@ -173,6 +173,8 @@ replay_endpoint = "tcp://127.0.0.1:5567"
 dp_ranks = [0]
 topic = ""
 # engine_metrics_url: not set (no engine load)
+# engine_url: not set (routers learn no engine URL)
+engine_health_url = "off" # the engine's liveness is not watched
 load_poll_ms = 250
 heartbeat_ms = 1000
 state_dir = "/var/lib/kv-relay/default"

@@ -17,7 +17,9 @@
 //! Options: `--trace FILE` (testdata's conversation trace), `--requests N` (1,000: the trace's
 //! first N), `--speed X` (3), `--workers 8,32`, `--policies cache_aware,round_robin,least_load`,
 //! `--caches full,pressure` (pressure: each engine holds 7% of the replayed working set),
-//! `--max-output N` (16 tokens), `--ttft-limit-ms` (2,000).
+//! `--max-output N` (16 tokens), `--ttft-limit-ms` (2,000), and the `cache_aware` knobs as an
+//! operator sets them for these engines: `--prefill-us-per-block` (10,240: 512 tokens x 20 us),
+//! `--queue-us-per-request` (20,000).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
@@ -56,6 +58,9 @@ struct Opts {
     caches: Vec<String>,
     max_output: u64,
     ttft_limit: Duration,
+    /// The `cache_aware` knobs, as an operator sets them for the fleet's engines.
+    prefill_us_per_block: f64,
+    queue_us_per_request: f64,
     quick: bool,
 }
 
@@ -85,6 +90,12 @@ impl Opts {
             caches: list("--caches", caches),
             max_output: num("--max-output", 16.0) as u64,
             ttft_limit: Duration::from_millis(num("--ttft-limit-ms", 2000.0) as u64),
+            // A block's prefill on these engines (512 tokens x 20 us).
+            prefill_us_per_block: num(
+                "--prefill-us-per-block",
+                COST.prefill_per_token.as_secs_f64() * 1e6 * BLOCK as f64,
+            ),
+            queue_us_per_request: num("--queue-us-per-request", 20_000.0),
             quick,
         }
     }
@@ -177,7 +188,7 @@ fn hash() -> EngineHashConfig {
     EngineHashConfig::vllm("0.32".parse().expect("version"), VllmHashAlgo::Sha256Cbor, None, BLOCK).expect("hash")
 }
 
-fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, policy: PolicyKind) -> Fleet {
+fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, policy: PolicyKind, o: &Opts) -> Fleet {
     let engines: Vec<Arc<MockEngine>> = (0..workers)
         .map(|_| {
             let mut cfg = EngineConfig::new(WireVersion::parse(Engine::Vllm, "0.32").expect("wire"));
@@ -197,7 +208,10 @@ fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, poli
     for r in &relays {
         follower.add_relay(&r.url).expect("relay URL");
     }
-    let router = Arc::new(Router::new(follower, RouterConfig { policy, ..RouterConfig::default() }));
+    let mut cfg = RouterConfig { policy, ..RouterConfig::default() };
+    cfg.cache_aware.prefill_us_per_block = o.prefill_us_per_block;
+    cfg.cache_aware.queue_us_per_request = o.queue_us_per_request;
+    let router = Arc::new(Router::new(follower, cfg));
     let listener = rt.block_on(tokio::net::TcpListener::bind("127.0.0.1:0")).expect("bind");
     let front = listener.local_addr().expect("addr");
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -317,7 +331,8 @@ fn main() {
     let span = trace.last().map_or(0.0, |r| r.at.as_secs_f64());
     println!(
         "kv-router on a simulated fleet: {} requests of {} ({} blocks of {BLOCK} tokens in their working set), \
-         {}x their rate ({span:.0} s); cost: batch {}, prefill {} us/token, decode {} ms/token, output <= {} tokens",
+         {}x their rate ({span:.0} s); cost: batch {}, prefill {} us/token, decode {} ms/token, output <= {} tokens; \
+         cache_aware: {} us a block's prefill, {} us a queued request",
         trace.len(),
         o.trace.file_name().map(|f| f.to_string_lossy()).unwrap_or_default(),
         working_set,
@@ -326,6 +341,8 @@ fn main() {
         COST.prefill_per_token.as_micros(),
         COST.decode_per_token.as_millis(),
         o.max_output,
+        o.prefill_us_per_block,
+        o.queue_us_per_request,
     );
     for &workers in &o.workers {
         for cache in &o.caches {
@@ -347,7 +364,7 @@ fn main() {
                 "top share"
             );
             for &policy in &o.policies {
-                let f = fleet(&rt, workers, blocks, policy);
+                let f = fleet(&rt, workers, blocks, policy, &o);
                 let (out, took) = replay(&f, &trace, &o);
                 let s = score(&out, took, &o);
                 println!(
