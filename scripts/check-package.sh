@@ -167,7 +167,8 @@ echo "binaries: ok"
 effective=$(env -i PATH="$PATH" STATE_DIRECTORY=/var/lib/kv-relay/default \
     "$root/usr/bin/kv-relay" --config "$root/etc/kv-relay/default.toml" check-config) ||
     fail "kv-relay check-config refused the installed /etc/kv-relay/default.toml"
-same '# kv-relay: effective configuration (flags > environment > file > defaults)
+expected_config=$(cat <<'EOF'
+# kv-relay: effective configuration (flags > environment > file > defaults)
 endpoint = "tcp://127.0.0.1:5557"
 replay_endpoint = "tcp://127.0.0.1:5567"
 dp_ranks = [0]
@@ -199,7 +200,10 @@ rate_per_second = 10
 rate_burst = 20
 max_subscribers = 256
 max_snapshots = 8
-threads = 1' "$effective" "check-config of the installed /etc/kv-relay/default.toml"
+threads = 1
+EOF
+)
+same "$expected_config" "$effective" "check-config of the installed /etc/kv-relay/default.toml"
 echo "installed config: ok (check-config accepts it)"
 
 if ! command -v man >/dev/null 2>&1; then
