@@ -2,7 +2,8 @@
 //! `--speed` times its rate) through `kv-router`'s OpenAI front to W mock engines, each behind
 //! its relay, every engine with the face's cost model (`kv_relay_testkit::face::CostModel`: a
 //! batch of at most 8 with a queue, one prefill at a time per uncached token, decode per output
-//! token) and an LRU prefix cache publishing its real KV events. Each policy gets a fresh fleet,
+//! token; its KV usage, as vLLM reports it, the running requests' tokens over the cache's
+//! capacity) and an LRU prefix cache publishing its real KV events. Each policy gets a fresh fleet,
 //! in one run. Per request: the router's prediction (the `x-kv-router-matched-blocks` header
 //! times the block size) against the engine's `cached_tokens`, and against the oracle (the best
 //! cached prefix any engine held when the request was sent); the time to its first streamed
@@ -47,6 +48,8 @@ const COST: CostModel = CostModel {
     max_batch: 8,
     prefill_per_token: Duration::from_micros(20),
     decode_per_token: Duration::from_millis(5),
+    // Set per fleet: the engine's KV capacity is its cache's blocks.
+    kv_tokens: 0,
 };
 
 struct Opts {
@@ -198,7 +201,7 @@ fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, poli
             cfg.metrics_listen = Some("127.0.0.1:0".parse().expect("addr"));
             let e = Arc::new(start_engine_on_free_ports(cfg, true));
             e.serve_completions();
-            e.face().expect("face").set_cost(Some(COST));
+            e.face().expect("face").set_cost(Some(CostModel { kv_tokens: (cache_blocks * BLOCK) as u64, ..COST }));
             e
         })
         .collect();

@@ -98,6 +98,16 @@ pub struct Args {
     /// Token-id prompts are then routed by their cached prefix; without it, by load alone.
     #[arg(long, value_name = "JSON")]
     pub engine_hash: Option<String>,
+    /// The front: the model's directory (its `tokenizer.json`, and `tokenizer_config.json` with
+    /// the chat template, or `chat_template.jinja`). Text prompts and chat messages are then
+    /// tokenized as the engine tokenizes them and routed by their cached prefix (with
+    /// `--engine-hash`). Nothing is downloaded.
+    #[arg(long, value_name = "DIR", conflicts_with = "tokenize_via_engine")]
+    pub model_dir: Option<PathBuf>,
+    /// The front, with no `--model-dir`: ask an engine's `POST /tokenize` for a text prompt's or
+    /// chat request's tokens before routing it (one more round trip to an engine per request).
+    #[arg(long)]
+    pub tokenize_via_engine: bool,
     /// The front: connecting to an engine gives up after this long (milliseconds), and counts
     /// as a refused connection (the request goes to the next choice).
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]

@@ -11,6 +11,7 @@
 //! upstream request, which cancels it in the engine).
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -29,6 +30,7 @@ use serde::Serialize;
 
 use crate::liveness::Outcome;
 use crate::router::{RouteError, Routed, Router, Tokens};
+use crate::tokenize::{Prompt, Tokenizer};
 
 /// The header vLLM's OpenAI server takes a request's DP rank from.
 pub const DP_RANK_HEADER: &str = "x-data-parallel-rank";
@@ -45,17 +47,36 @@ const USAGE_WINDOW: usize = 1 << 20;
 /// The front's settings.
 #[derive(Clone, Debug)]
 pub struct FrontConfig {
-    /// How the engines hash blocks: token-id prompts are hashed with it and routed by their
-    /// prefix. `None`: requests are routed by load alone.
+    /// How the engines hash blocks: prompts are hashed with it and routed by their prefix.
+    /// `None`: requests are routed by load alone.
     pub hash: Option<EngineHashConfig>,
     /// Connecting to an engine gives up after this long (and counts as a refused connection).
     pub connect_timeout: Duration,
+    /// The model's tokenizer and chat template: text prompts and chat messages are tokenized
+    /// with it. `None`: only token-id prompts are routed by their prefix (unless
+    /// `tokenize_via_engine`).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// With no tokenizer, a text prompt's or chat request's tokens come from a routable
+    /// engine's `POST /tokenize` (vLLM's), one more round trip before the request is routed.
+    pub tokenize_via_engine: bool,
 }
 
 impl Default for FrontConfig {
     fn default() -> Self {
-        FrontConfig { hash: None, connect_timeout: Duration::from_secs(2) }
+        FrontConfig { hash: None, connect_timeout: Duration::from_secs(2), tokenizer: None, tokenize_via_engine: false }
     }
+}
+
+/// What the front's tokenization did, for `/metrics`.
+#[derive(Debug, Default)]
+pub struct FrontCounters {
+    /// Prompts tokenized in the router (text prompts and chat messages).
+    pub tokenized: AtomicU64,
+    /// Prompts tokenized by an engine's `/tokenize`.
+    pub tokenized_by_engine: AtomicU64,
+    /// Prompts that could not be tokenized (a template error, an engine's `/tokenize` failed):
+    /// routed by load; the engine answers the request as it would.
+    pub tokenize_errors: AtomicU64,
 }
 
 /// The front's state: the router and one pooled HTTP/1.1 client to the engines.
@@ -63,6 +84,9 @@ pub struct Front {
     router: Arc<Router>,
     client: Client<HttpConnector, Body>,
     cfg: FrontConfig,
+    counters: FrontCounters,
+    /// Spreads `/tokenize` calls over the routable engines.
+    next_tokenizer: AtomicU64,
 }
 
 impl Front {
@@ -71,34 +95,135 @@ impl Front {
         connector.set_connect_timeout(Some(cfg.connect_timeout));
         connector.set_nodelay(true);
         let client = Client::builder(TokioExecutor::new()).build(connector);
-        Front { router, client, cfg }
+        Front { router, client, cfg, counters: FrontCounters::default(), next_tokenizer: AtomicU64::new(0) }
     }
 
-    /// The request's block hashes, when its prompt is token ids and the engine's hash settings
-    /// are known; empty otherwise (routed by load).
-    pub fn prompt_hashes(&self, body: &[u8]) -> Vec<u64> {
+    pub fn counters(&self) -> &FrontCounters {
+        &self.counters
+    }
+
+    /// The request's block hashes, when its tokens can be known (token ids; text or chat with
+    /// the tokenizer or `tokenize_via_engine`) and the engine's hash settings are; empty
+    /// otherwise (routed by load).
+    pub async fn prompt_hashes(&self, path: &str, body: &[u8]) -> Vec<u64> {
         let Some(engine) = &self.cfg.hash else { return Vec::new() };
-        let Some(tokens) = prompt_token_ids(body) else { return Vec::new() };
+        let Some(tokens) = self.prompt_tokens(path, body).await else { return Vec::new() };
         block_event_hashes(engine, &RequestKeys { token_ids: &tokens, ..RequestKeys::default() }).unwrap_or_default()
+    }
+
+    /// The request's prompt tokens, as the engine will see them, when they can be known.
+    pub async fn prompt_tokens(&self, path: &str, body: &[u8]) -> Option<Vec<u64>> {
+        let prompt = Prompt::of(path, body).ok()?;
+        if let Prompt::Ids(ids) = prompt {
+            return Some(ids);
+        }
+        let c = &self.counters;
+        if let Some(t) = &self.cfg.tokenizer {
+            return match t.tokens(&prompt) {
+                Ok(ids) => {
+                    c.tokenized.fetch_add(1, Ordering::Relaxed);
+                    Some(ids)
+                }
+                Err(e) => {
+                    c.tokenize_errors.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(error = %e, "prompt not tokenized; routed by load");
+                    None
+                }
+            };
+        }
+        if !self.cfg.tokenize_via_engine {
+            return None;
+        }
+        match self.tokenize_via_engine(&prompt).await {
+            Ok(ids) => {
+                c.tokenized_by_engine.fetch_add(1, Ordering::Relaxed);
+                Some(ids)
+            }
+            Err(e) => {
+                c.tokenize_errors.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(error = %e, "engine /tokenize failed; routed by load");
+                None
+            }
+        }
+    }
+
+    /// `POST /tokenize` on a routable engine (vLLM's: `{"prompt"}` or `{"messages", ...}`,
+    /// answered with `{"tokens": [...]}`).
+    async fn tokenize_via_engine(&self, prompt: &Prompt) -> Result<Vec<u64>, String> {
+        let engines: Vec<Arc<str>> = self
+            .router
+            .workers()
+            .into_iter()
+            .filter(|w| w.routing.routing == "routable")
+            .filter_map(|w| w.worker.engine_url)
+            .collect();
+        if engines.is_empty() {
+            return Err("no routable engine with a known URL".into());
+        }
+        let base = &engines[(self.next_tokenizer.fetch_add(1, Ordering::Relaxed) % engines.len() as u64) as usize];
+        let body = match prompt {
+            Prompt::Ids(ids) => return Ok(ids.clone()),
+            Prompt::Text { text, add_special_tokens } => {
+                serde_json::json!({"prompt": text, "add_special_tokens": add_special_tokens})
+            }
+            Prompt::Chat(req) => {
+                let mut b = serde_json::Map::new();
+                for k in [
+                    "model",
+                    "messages",
+                    "add_generation_prompt",
+                    "continue_final_message",
+                    "add_special_tokens",
+                    "chat_template",
+                    "chat_template_kwargs",
+                    "tools",
+                ] {
+                    if let Some(v) = req.get(k) {
+                        b.insert(k.into(), v.clone());
+                    }
+                }
+                serde_json::Value::Object(b)
+            }
+        };
+        let uri: Uri = format!("{}/tokenize", base.trim_end_matches('/'))
+            .parse()
+            .map_err(|e| format!("engine URL {base}: {e}"))?;
+        let req = Request::builder()
+            .method(Method::POST)
+            .uri(uri)
+            .header(header::CONTENT_TYPE, "application/json")
+            .body(Body::from(body.to_string()))
+            .map_err(|e| e.to_string())?;
+        let resp = self.client.request(req).await.map_err(|e| format!("{base}/tokenize: {}", error_chain(&e)))?;
+        let status = resp.status();
+        let bytes = read_body(resp.into_body()).await.map_err(|e| format!("{base}/tokenize: {e}"))?;
+        if !status.is_success() {
+            return Err(format!("{base}/tokenize answered {status}: {}", String::from_utf8_lossy(&bytes)));
+        }
+        #[derive(serde::Deserialize)]
+        struct Tokenized {
+            tokens: Vec<u64>,
+        }
+        let t: Tokenized =
+            serde_json::from_slice(&bytes).map_err(|e| format!("{base}/tokenize: not a tokenize answer: {e}"))?;
+        Ok(t.tokens)
     }
 }
 
-/// The token ids of a completion request's prompt (`"prompt": [1, 2, ...]`, or the first of a
-/// batch `[[...], ...]`), when it has them.
-pub fn prompt_token_ids(body: &[u8]) -> Option<Vec<u64>> {
-    #[derive(serde::Deserialize)]
-    struct Prompt {
-        prompt: Option<serde_json::Value>,
+/// An engine's whole answer body, up to [`USAGE_WINDOW`].
+async fn read_body(mut body: Incoming) -> Result<Vec<u8>, String> {
+    use http_body::Body as _;
+    let mut out = Vec::new();
+    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
+        let frame = frame.map_err(|e| e.to_string())?;
+        if let Ok(data) = frame.into_data() {
+            out.extend_from_slice(&data);
+            if out.len() > USAGE_WINDOW {
+                return Err(format!("answer over {USAGE_WINDOW} bytes"));
+            }
+        }
     }
-    let p: Prompt = serde_json::from_slice(body).ok()?;
-    let ids = match p.prompt? {
-        serde_json::Value::Array(a) => match a.first() {
-            Some(serde_json::Value::Array(inner)) => inner.clone(),
-            _ => a,
-        },
-        _ => return None,
-    };
-    ids.iter().map(serde_json::Value::as_u64).collect()
+    Ok(out)
 }
 
 #[derive(Serialize)]
@@ -239,7 +364,7 @@ fn upstream(routed: &Routed, path: &str, headers: &HeaderMap, body: Bytes) -> Re
 }
 
 async fn forward(front: Arc<Front>, path: &'static str, headers: HeaderMap, body: Bytes) -> Response {
-    let hashes = front.prompt_hashes(&body);
+    let hashes = front.prompt_hashes(path, &body).await;
     let mut last_error = String::new();
     for _attempt in 0..2 {
         let routed = match front.router.route(&hashes) {

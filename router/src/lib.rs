@@ -13,6 +13,8 @@
 //!   `GET /workers`, `GET /metrics`); feature `server`.
 //! - [`front`]: the OpenAI-compatible front (`/v1/completions`, `/v1/chat/completions`,
 //!   `/v1/models`) passed through to the chosen engine; feature `server`.
+//! - [`tokenize`]: a model directory's tokenizer and chat template, so text prompts and chat
+//!   messages are routed by the tokens the engine will see; feature `server`.
 //! - [`cli`]: the `kv-router` binary's command line; feature `server`.
 
 #[cfg(feature = "server")]
@@ -24,6 +26,8 @@ pub mod http;
 pub mod liveness;
 pub mod policy;
 pub mod router;
+#[cfg(feature = "server")]
+pub mod tokenize;
 
 pub use liveness::{Cause, Gate, Outcome, ReportError, RoutingState, Signals, Tracker, TrackerConfig};
 pub use policy::{CacheAware, CacheAwareConfig, Candidate, Choice, Overload, Policy, PolicyKind, Reason, RouteInput};

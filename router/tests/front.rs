@@ -234,8 +234,12 @@ async fn a_client_that_goes_away_ends_the_engines_request_and_it_is_reported_fai
     let f = fleet(1, &[]).await;
     let face = f.engines[0].face().unwrap();
     // 100 output tokens, 100 ms each: the stream would last 10 s.
-    let slow =
-        CostModel { max_batch: 8, prefill_per_token: Duration::ZERO, decode_per_token: Duration::from_millis(100) };
+    let slow = CostModel {
+        max_batch: 8,
+        prefill_per_token: Duration::ZERO,
+        decode_per_token: Duration::from_millis(100),
+        kv_tokens: 0,
+    };
     face.set_cost(Some(slow));
     let addr = f.addr;
     let first = tokio::task::spawn_blocking(move || {

@@ -64,6 +64,8 @@ pub struct Counters {
     pub in_flight: u32,
     /// Completions waiting for a place in the batch ([`CostModel::max_batch`]).
     pub waiting: u32,
+    /// The prompt tokens of the completions being served now.
+    pub running_tokens: u64,
 }
 
 /// How long a completion takes on a rank, for a simulated fleet: at most `max_batch` requests
@@ -71,11 +73,17 @@ pub struct Counters {
 /// compute), `prefill_per_token` for each prompt token not already cached; then each output
 /// token (`max_tokens`) takes `decode_per_token`, alongside the other running requests. A
 /// stream's first chunk is sent when the prefill ends.
+///
+/// With `kv_tokens` (the rank's KV capacity in tokens) above 0, `/metrics` reports the KV usage
+/// as vLLM counts it: the running completions' prompt tokens over the capacity. A cached block
+/// that no running request holds is free (evictable) in vLLM's block pool, so a full prefix
+/// cache alone is not usage. With 0, the usage is the cache's fill (the generator's).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CostModel {
     pub max_batch: u32,
     pub prefill_per_token: Duration,
     pub decode_per_token: Duration,
+    pub kv_tokens: u64,
 }
 
 /// Each rank's places in the batch and its prefill lane.
@@ -335,10 +343,19 @@ fn answer(shared: &Shared, mut stream: TcpStream) -> std::io::Result<()> {
             let body = {
                 let loads = shared.loads.lock().expect("loads").clone();
                 let counters = shared.counters.lock().expect("counters").clone();
+                let kv_tokens = shared.cost.read().expect("cost").map_or(0, |c| c.kv_tokens);
                 let loads: Vec<Load> = loads
                     .iter()
                     .zip(&counters)
-                    .map(|(l, c)| Load { running: l.running + c.in_flight, waiting: l.waiting + c.waiting, ..*l })
+                    .map(|(l, c)| Load {
+                        running: l.running + c.in_flight,
+                        waiting: l.waiting + c.waiting,
+                        kv_usage: if kv_tokens > 0 {
+                            (c.running_tokens as f64 / kv_tokens as f64).min(1.0)
+                        } else {
+                            l.kv_usage
+                        },
+                    })
                     .collect();
                 let mut text = render(shared.engine, &shared.model_name, &loads);
                 text.push_str(&render_counters(shared.engine, &shared.model_name, &counters));
@@ -403,7 +420,12 @@ fn complete(shared: &Shared, stream: &mut TcpStream, req: &Req) -> std::io::Resu
         shared.counters.lock().expect("counters")[r].waiting -= 1;
         p
     });
-    shared.counters.lock().expect("counters")[r].in_flight += 1;
+    let held = tokens.len() as u64;
+    {
+        let mut c = shared.counters.lock().expect("counters");
+        c[r].in_flight += 1;
+        c[r].running_tokens += held;
+    }
     shared.wait_while(|f| f == Fault::Wedged);
     let lane = place.as_ref().map(|_| shared.ranks.prefill[r].lock().expect("prefill lane"));
     let served = completer(rank, &tokens);
@@ -421,6 +443,7 @@ fn complete(shared: &Shared, stream: &mut TcpStream, req: &Req) -> std::io::Resu
     {
         let mut c = shared.counters.lock().expect("counters");
         c[r].in_flight -= 1;
+        c[r].running_tokens -= held;
     }
     drop(place);
     result

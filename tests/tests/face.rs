@@ -130,11 +130,13 @@ fn with_a_cost_model_requests_queue_for_the_batch_and_generate_max_tokens() {
     let e = engine(1);
     let addr = e.metrics_addr().unwrap();
     let face = e.face().unwrap();
-    // One request at a time; each uncached token takes 50 ms to prefill (12 tokens: 0.6 s).
+    // One request at a time; each uncached token takes 50 ms to prefill (12 tokens: 0.6 s). The
+    // rank holds 48 tokens of KV: the running request's 12 are a quarter of it.
     let cost = CostModel {
         max_batch: 1,
         prefill_per_token: Duration::from_millis(50),
         decode_per_token: Duration::from_millis(1),
+        kv_tokens: 48,
     };
     face.set_cost(Some(cost));
     let post =
@@ -164,6 +166,12 @@ fn with_a_cost_model_requests_queue_for_the_batch_and_generate_max_tokens() {
         Some("vllm:num_requests_waiting{engine=\"0\",model_name=\"mock-model\"} 1.0"),
         "{metrics}"
     );
+    assert_eq!(
+        line("vllm:kv_cache_usage_perc").as_deref(),
+        Some("vllm:kv_cache_usage_perc{engine=\"0\",model_name=\"mock-model\"} 0.25"),
+        "{metrics}"
+    );
+    assert_eq!(face.counters()[0].running_tokens, 12);
     let (status, body) = a.join().unwrap();
     assert_eq!(status, 200);
     let u = usage(&body);

@@ -65,7 +65,23 @@ fn config(args: Args) -> anyhow::Result<Config> {
         }
         None => None,
     };
-    let front = FrontConfig { hash, connect_timeout: Duration::from_millis(args.engine_connect_timeout_ms) };
+    let tokenizer = match &args.model_dir {
+        Some(dir) => {
+            let t = kv_router::tokenize::Tokenizer::from_dir(dir).with_context(|| "--model-dir".to_string())?;
+            tracing::info!(dir = %dir.display(), chat_template = t.has_chat_template(), "tokenizer loaded");
+            Some(Arc::new(t))
+        }
+        None => None,
+    };
+    if hash.is_none() && (tokenizer.is_some() || args.tokenize_via_engine) {
+        tracing::warn!("--model-dir / --tokenize-via-engine without --engine-hash: prompts are tokenized, but routed by load alone");
+    }
+    let front = FrontConfig {
+        hash,
+        connect_timeout: Duration::from_millis(args.engine_connect_timeout_ms),
+        tokenizer,
+        tokenize_via_engine: args.tokenize_via_engine,
+    };
     let follow = FollowConfig {
         stale_after: Duration::from_secs_f64(args.worker_stall_secs),
         receive_timeout: Duration::from_millis(args.receive_timeout_ms.max(1)),
@@ -127,8 +143,7 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
     // The first poll before listening: fixed relays, the file and the names' first answers.
     discovery.poll(tokio::time::Instant::now()).await;
     let following = discovery.followed().count();
-    let listener = std::net::TcpListener::bind(cfg.listen).with_context(|| format!("binding {}", cfg.listen))?;
-    listener.set_nonblocking(true)?;
+    let listener = listen(cfg.listen).with_context(|| format!("binding {}", cfg.listen))?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let mut http = serve_http(listener, router.clone(), cfg.front, cfg.http_threads, stopped)?;
@@ -156,6 +171,19 @@ async fn run(cfg: Config) -> anyhow::Result<()> {
         Ok(r) => r.context("http server"),
         Err(_) => bail!("http server: its thread ended without a result"),
     }
+}
+
+/// The connections the kernel queues for the HTTP listener before it accepts them (capped by
+/// `net.core.somaxconn`): a burst of clients connecting at once waits in the queue instead of
+/// having its handshakes dropped and retried (std's `bind` queues 128).
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// A listening socket on `addr` with [`LISTEN_BACKLOG`], non-blocking, for the HTTP runtime.
+fn listen(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    let socket = if addr.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)?.into_std()
 }
 
 /// Serves the HTTP API on `threads` threads of a runtime of its own (see the module docs) until
