@@ -164,26 +164,11 @@ impl Front {
         let body = match prompt {
             Prompt::Ids(ids) => return Ok(ids.clone()),
             Prompt::Text { text, add_special_tokens } => {
-                serde_json::json!({"prompt": text, "add_special_tokens": add_special_tokens})
+                serde_json::json!({"prompt": text, "add_special_tokens": add_special_tokens}).to_string()
             }
-            Prompt::Chat(req) => {
-                let mut b = serde_json::Map::new();
-                for k in [
-                    "model",
-                    "messages",
-                    "add_generation_prompt",
-                    "continue_final_message",
-                    "add_special_tokens",
-                    "chat_template",
-                    "chat_template_kwargs",
-                    "tools",
-                ] {
-                    if let Some(v) = req.get(k) {
-                        b.insert(k.into(), v.clone());
-                    }
-                }
-                serde_json::Value::Object(b)
-            }
+            // The request itself: vLLM's /tokenize takes a chat request's fields (and ignores
+            // the others), and its maps keep their order.
+            Prompt::Chat(req) => req.clone(),
         };
         let uri: Uri = format!("{}/tokenize", base.trim_end_matches('/'))
             .parse()
@@ -192,7 +177,7 @@ impl Front {
             .method(Method::POST)
             .uri(uri)
             .header(header::CONTENT_TYPE, "application/json")
-            .body(Body::from(body.to_string()))
+            .body(Body::from(body))
             .map_err(|e| e.to_string())?;
         let resp = self.client.request(req).await.map_err(|e| format!("{base}/tokenize: {}", error_chain(&e)))?;
         let status = resp.status();

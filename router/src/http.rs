@@ -311,10 +311,28 @@ async fn get_workers(State(router): State<Arc<Router>>) -> Response {
     json(StatusCode::OK, &WorkersResponse { relays, workers })
 }
 
-async fn get_metrics(State(r): State<Arc<Router>>) -> Response {
+/// `GET /metrics`: the follower's, the routing's and the front's.
+fn metrics_response(r: &Router, front: &Front) -> Response {
     let mut text = prometheus_text(r.follower());
-    routing_text(&r, &mut text);
+    routing_text(r, &mut text);
+    front_text(front, &mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The front's metrics in the Prometheus text format, appended to `out`.
+pub fn front_text(f: &Front, out: &mut String) {
+    use std::sync::atomic::Ordering::Relaxed;
+    let c = f.counters();
+    let _ = writeln!(out, "# HELP kv_router_front_tokenized_total Text prompts and chat requests tokenized, by where.");
+    let _ = writeln!(out, "# TYPE kv_router_front_tokenized_total counter");
+    let _ = writeln!(out, "kv_router_front_tokenized_total{{by=\"router\"}} {}", c.tokenized.load(Relaxed));
+    let _ = writeln!(out, "kv_router_front_tokenized_total{{by=\"engine\"}} {}", c.tokenized_by_engine.load(Relaxed));
+    write_counter(
+        out,
+        "kv_router_front_tokenize_errors_total",
+        "Prompts that could not be tokenized (routed by load; the engine answers them).",
+        c.tokenize_errors.load(Relaxed),
+    );
 }
 
 /// The router's routing metrics in the Prometheus text format, appended to `out`.
@@ -480,7 +498,14 @@ pub fn routes(router: impl IntoRouter) -> axum::Router {
 /// The HTTP routes over a router, with the front in `front`'s settings.
 pub fn app(router: Arc<Router>, front: FrontConfig) -> axum::Router {
     let f = Arc::new(Front::new(router.clone(), front));
-    api(router).merge(crate::front::routes(f)).layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
+    let metrics = {
+        let (r, f) = (router.clone(), f.clone());
+        get(move || {
+            let (r, f) = (r.clone(), f.clone());
+            async move { metrics_response(&r, &f) }
+        })
+    };
+    api(router).route("/metrics", metrics).merge(crate::front::routes(f)).layer(DefaultBodyLimit::max(MAX_BODY_BYTES))
 }
 
 fn api(router: Arc<Router>) -> axum::Router {
@@ -489,7 +514,6 @@ fn api(router: Arc<Router>) -> axum::Router {
         .route("/route", post(post_route))
         .route("/route/report", post(post_report))
         .route("/workers", get(get_workers))
-        .route("/metrics", get(get_metrics))
         .with_state(router)
 }
 

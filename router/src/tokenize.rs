@@ -73,8 +73,9 @@ pub enum Prompt {
     Ids(Vec<u64>),
     /// `"prompt": "text"` (or the first of a batch of them), with `add_special_tokens`.
     Text { text: String, add_special_tokens: bool },
-    /// `"messages": [...]`: the chat request's body, rendered through the template.
-    Chat(serde_json::Value),
+    /// `"messages": [...]`: the chat request's body as it came (its maps' order is the
+    /// template's, as in Python's dicts), rendered through the template.
+    Chat(String),
 }
 
 impl Prompt {
@@ -85,7 +86,8 @@ impl Prompt {
             if !v.get("messages").is_some_and(serde_json::Value::is_array) {
                 return Err(TokenizeError::NoPrompt);
             }
-            return Ok(Prompt::Chat(v));
+            let text = String::from_utf8(body.to_vec()).map_err(|e| TokenizeError::Body(e.to_string()))?;
+            return Ok(Prompt::Chat(text));
         }
         let add_special_tokens = v.get("add_special_tokens").and_then(serde_json::Value::as_bool).unwrap_or(true);
         let first = match v.get("prompt") {
@@ -166,6 +168,13 @@ impl Tokenizer {
         Ok(Tokenizer { tokenizer, env, special, dir: dir.to_path_buf() })
     }
 
+    /// The same tokenizer with `template` as its chat template.
+    pub fn with_chat_template(mut self, template: &str) -> Result<Tokenizer, TokenizeError> {
+        let env = environment(template.to_string()).map_err(|e| TokenizeError::Template(template_error(&e)))?;
+        self.env = Some(env);
+        Ok(self)
+    }
+
     /// The directory it was loaded from.
     pub fn dir(&self) -> &Path {
         &self.dir
@@ -187,18 +196,51 @@ impl Tokenizer {
         Ok(enc.get_ids().iter().map(|&i| u64::from(i)).collect())
     }
 
-    /// A chat request's prompt text: its messages rendered through the chat template.
-    pub fn render_chat(&self, request: &serde_json::Value) -> Result<String, TokenizeError> {
+    /// A chat request's prompt text: its messages (the request's JSON) rendered through the
+    /// chat template.
+    pub fn render_chat(&self, request: &str) -> Result<String, TokenizeError> {
         let env = self.env.as_ref().ok_or(TokenizeError::NoTemplate)?;
-        let ctx = self.chat_context(request)?;
+        // Parsed straight into the template's values: maps keep the request's order.
+        let req: Value = serde_json::from_str(request).map_err(|e| TokenizeError::Body(e.to_string()))?;
+        let messages = field(&req, "messages").filter(|m| m.kind() == ValueKind::Seq).ok_or(TokenizeError::NoPrompt)?;
+        let messages: Vec<Value> =
+            messages.try_iter().map_err(|e| TokenizeError::Body(e.to_string()))?.map(|m| vllm_message(&m)).collect();
+        let flag = |k: &str, d: bool| field(&req, k).map_or(d, |v| v.is_true());
+        let continue_final = flag("continue_final_message", false);
+        // vLLM: a continued final message gets no generation prompt.
+        let add_generation_prompt = flag("add_generation_prompt", true) && !continue_final;
+        let mut ctx: Vec<(Value, Value)> = Vec::new();
+        // The template's own keyword arguments first; the request's fields win over them.
+        if let Some(kw) = field(&req, "chat_template_kwargs").filter(|k| k.kind() == ValueKind::Map) {
+            ctx.extend(entries(&kw));
+        }
+        let mut set = |k: &str, v: Value| {
+            ctx.retain(|(key, _)| key.as_str() != Some(k));
+            ctx.push((Value::from(k), v));
+        };
+        let last_content = messages.last().and_then(|m| field(m, "content")).map(|c| c.to_string()).unwrap_or_default();
+        set("messages", Value::from(messages));
+        set("add_generation_prompt", Value::from(add_generation_prompt));
+        set("tools", field(&req, "tools").unwrap_or(Value::from(())));
+        set("documents", field(&req, "documents").unwrap_or(Value::from(())));
+        let sp = &self.special;
+        for (k, v) in [
+            ("bos_token", &sp.bos_token),
+            ("eos_token", &sp.eos_token),
+            ("unk_token", &sp.unk_token),
+            ("pad_token", &sp.pad_token),
+        ] {
+            if let Some(v) = v {
+                set(k, Value::from(v.as_str()));
+            }
+        }
         let tmpl = env.get_template(TEMPLATE).map_err(|e| TokenizeError::Template(template_error(&e)))?;
-        let text = tmpl.render(ctx).map_err(|e| TokenizeError::Template(template_error(&e)))?;
-        if !request.get("continue_final_message").and_then(serde_json::Value::as_bool).unwrap_or(false) {
+        let text = tmpl.render(Value::from_iter(ctx)).map_err(|e| TokenizeError::Template(template_error(&e)))?;
+        if !continue_final {
             return Ok(text);
         }
         // Continuing the final message: the text ends where that message's content ends.
-        let last = request.get("messages").and_then(|m| m.as_array()).and_then(|m| m.last()).map(vllm_message);
-        let content = last.as_ref().and_then(|m| m["content"].as_str()).unwrap_or_default();
+        let content = last_content.as_str();
         let end = text
             .rfind(content)
             .map(|i| i + content.len())
@@ -217,44 +259,30 @@ impl Tokenizer {
             Prompt::Text { text, add_special_tokens } => self.encode(text, *add_special_tokens),
             Prompt::Chat(request) => {
                 let text = self.render_chat(request)?;
-                let add = request.get("add_special_tokens").and_then(serde_json::Value::as_bool).unwrap_or(false);
-                self.encode(&text, add)
+                #[derive(serde::Deserialize)]
+                struct Flags {
+                    add_special_tokens: Option<bool>,
+                }
+                let add = serde_json::from_str::<Flags>(request).ok().and_then(|f| f.add_special_tokens);
+                self.encode(&text, add.unwrap_or(false))
             }
         }
     }
+}
 
-    fn chat_context(&self, request: &serde_json::Value) -> Result<Value, TokenizeError> {
-        let messages = request.get("messages").and_then(|m| m.as_array()).ok_or(TokenizeError::NoPrompt)?;
-        let messages: Vec<serde_json::Value> = messages.iter().map(vllm_message).collect();
-        let flag = |k: &str, d: bool| request.get(k).and_then(serde_json::Value::as_bool).unwrap_or(d);
-        let continue_final = flag("continue_final_message", false);
-        // vLLM: a continued final message gets no generation prompt.
-        let add_generation_prompt = flag("add_generation_prompt", !continue_final) && !continue_final;
-        let mut ctx = serde_json::Map::new();
-        // The template's own keyword arguments first; the request's fields win over them, as
-        // vLLM merges them.
-        if let Some(serde_json::Value::Object(kw)) = request.get("chat_template_kwargs") {
-            ctx.extend(kw.iter().map(|(k, v)| (k.clone(), v.clone())));
-        }
-        ctx.insert("messages".into(), serde_json::Value::Array(messages));
-        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
-        ctx.insert("tools".into(), request.get("tools").cloned().unwrap_or(serde_json::Value::Null));
-        ctx.insert("documents".into(), request.get("documents").cloned().unwrap_or(serde_json::Value::Null));
-        let sp = &self.special;
-        for (k, v) in [
-            ("bos_token", &sp.bos_token),
-            ("eos_token", &sp.eos_token),
-            ("unk_token", &sp.unk_token),
-            ("pad_token", &sp.pad_token),
-        ] {
-            if let Some(v) = v {
-                ctx.insert(k.into(), v.clone().into());
-            }
-        }
-        // A JSON body's maps, in their order (minijinja's preserve_order), as Python's dicts.
-        let text = serde_json::Value::Object(ctx).to_string();
-        serde_json::from_str::<Value>(&text).map_err(|e| TokenizeError::Body(e.to_string()))
-    }
+/// `v[key]`, when `v` is a map that has it.
+fn field(v: &Value, key: &str) -> Option<Value> {
+    v.get_attr(key).ok().filter(|x| !x.is_undefined())
+}
+
+/// A map's entries, in its order.
+fn entries(v: &Value) -> Vec<(Value, Value)> {
+    let Ok(keys) = v.try_iter() else { return Vec::new() };
+    keys.map(|k| {
+        let item = v.get_item(&k).unwrap_or_default();
+        (k, item)
+    })
+    .collect()
 }
 
 /// A message as vLLM's chat parser hands it to the template: `role` and `content` (a list of
@@ -262,64 +290,73 @@ impl Tokenizer {
 /// becomes empty), `name` when a string, an assistant's `tool_calls` (each `arguments` JSON
 /// string parsed to its object, none or empty to `{}`; an empty list dropped) and `reasoning`,
 /// a tool's `tool_call_id`. Other fields are not passed.
-fn vllm_message(m: &serde_json::Value) -> serde_json::Value {
-    use serde_json::Value as J;
-    let role = m.get("role").cloned().unwrap_or(J::Null);
-    let content = match m.get("content") {
-        Some(J::String(s)) => J::String(s.clone()),
-        Some(J::Array(parts)) => J::String(
-            parts
-                .iter()
-                .filter(|p| p.get("type").and_then(|t| t.as_str()).is_none_or(|t| t == "text"))
-                .filter_map(|p| p.get("text").and_then(|t| t.as_str()))
-                .collect::<Vec<_>>()
-                .join("\n"),
-        ),
-        _ => J::String(String::new()),
+fn vllm_message(m: &Value) -> Value {
+    let role = field(m, "role").unwrap_or(Value::from(()));
+    let content = match field(m, "content") {
+        Some(c) if c.kind() == ValueKind::String => c,
+        Some(parts) if parts.kind() == ValueKind::Seq => {
+            let text: Vec<String> = parts
+                .try_iter()
+                .into_iter()
+                .flatten()
+                .filter(|p| field(p, "type").is_none_or(|t| t.as_str() == Some("text")))
+                .filter_map(|p| field(&p, "text").and_then(|t| t.as_str().map(str::to_string)))
+                .collect();
+            Value::from(text.join("\n"))
+        }
+        _ => Value::from(""),
     };
-    let mut out = serde_json::Map::new();
-    out.insert("role".into(), role.clone());
-    out.insert("content".into(), content);
+    let mut out: Vec<(&str, Value)> = vec![("role", role.clone()), ("content", content)];
     match role.as_str() {
         Some("assistant") => {
-            if let Some(J::Array(calls)) = m.get("tool_calls") {
-                if !calls.is_empty() {
-                    let calls = calls
-                        .iter()
-                        .map(|c| {
-                            let mut c = c.clone();
-                            if let Some(f) = c.get_mut("function").and_then(|f| f.as_object_mut()) {
-                                let args = match f.get("arguments") {
-                                    Some(J::String(s)) if !s.is_empty() => {
-                                        serde_json::from_str(s).unwrap_or_else(|_| J::String(s.clone()))
-                                    }
-                                    Some(a @ (J::Object(_) | J::Array(_))) => a.clone(),
-                                    _ => J::Object(serde_json::Map::new()),
-                                };
-                                f.insert("arguments".into(), args);
-                            }
-                            c
-                        })
-                        .collect();
-                    out.insert("tool_calls".into(), J::Array(calls));
-                }
+            let calls = field(m, "tool_calls").filter(|c| c.kind() == ValueKind::Seq && c.len() != Some(0));
+            if let Some(calls) = calls {
+                let calls: Vec<Value> = calls.try_iter().into_iter().flatten().map(|c| tool_call(&c)).collect();
+                out.push(("tool_calls", Value::from(calls)));
             }
-            if let Some(r) = m.get("reasoning").or_else(|| m.get("reasoning_content")).filter(|r| !r.is_null()) {
-                out.insert("reasoning".into(), r.clone());
-                out.insert("reasoning_content".into(), r.clone());
+            if let Some(r) = field(m, "reasoning").or_else(|| field(m, "reasoning_content")).filter(|r| !r.is_none()) {
+                out.push(("reasoning", r.clone()));
+                out.push(("reasoning_content", r));
             }
         }
         Some("tool") => {
-            if let Some(id) = m.get("tool_call_id") {
-                out.insert("tool_call_id".into(), id.clone());
+            if let Some(id) = field(m, "tool_call_id") {
+                out.push(("tool_call_id", id));
             }
         }
         _ => {}
     }
-    if let Some(name @ J::String(_)) = m.get("name") {
-        out.insert("name".into(), name.clone());
+    if let Some(name) = field(m, "name").filter(|n| n.kind() == ValueKind::String) {
+        out.push(("name", name));
     }
-    J::Object(out)
+    Value::from_iter(out)
+}
+
+/// A tool call with its `function.arguments` as an object (vLLM parses the JSON string).
+fn tool_call(c: &Value) -> Value {
+    if c.kind() != ValueKind::Map {
+        return c.clone();
+    }
+    let args = |a: Option<Value>| match a {
+        Some(a) if matches!(a.kind(), ValueKind::Map | ValueKind::Seq) => a,
+        Some(a) if a.as_str().is_some_and(|s| !s.is_empty()) => {
+            let s = a.as_str().unwrap_or_default();
+            serde_json::from_str::<Value>(s).unwrap_or(a.clone())
+        }
+        _ => Value::from_iter(Vec::<(Value, Value)>::new()),
+    };
+    let mut out = entries(c);
+    for (k, v) in &mut out {
+        if k.as_str() == Some("function") && v.kind() == ValueKind::Map {
+            let mut f = entries(v);
+            match f.iter_mut().find(|(k, _)| k.as_str() == Some("arguments")) {
+                Some((_, a)) => *a = args(Some(a.clone())),
+                None => f.push((Value::from("arguments"), args(None))),
+            }
+            *v = Value::from_iter(f);
+        }
+    }
+    Value::from_iter(out)
 }
 
 const TEMPLATE: &str = "chat";
@@ -391,9 +428,8 @@ fn dumps(v: &Value, o: &Dumps, depth: usize, out: &mut String) -> Result<(), Tem
         ValueKind::Undefined | ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => {
-            if let Ok(i) = i64::try_from(v.clone()) {
-                out.push_str(&i.to_string());
-            } else if v.is_integer() {
+            // An integer as it is; a float (1.0 included) as Python's repr.
+            if v.is_integer() {
                 out.push_str(&v.to_string());
             } else {
                 let f = f64::try_from(v.clone()).unwrap_or(f64::NAN);

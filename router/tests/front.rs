@@ -40,6 +40,11 @@ struct Fleet {
 }
 
 async fn fleet(n: usize, relay_args: &[&str]) -> Fleet {
+    fleet_with(n, relay_args, FrontConfig::default()).await
+}
+
+/// The fleet with the front in `front`'s settings (its `hash`: the engines').
+async fn fleet_with(n: usize, relay_args: &[&str], front: FrontConfig) -> Fleet {
     let engines: Vec<_> = (0..n).map(|_| engine()).collect();
     let mut relays = Vec::new();
     for e in &engines {
@@ -51,7 +56,7 @@ async fn fleet(n: usize, relay_args: &[&str]) -> Fleet {
     }
     let router = Arc::new(Router::new(follower, RouterConfig::default()));
     let hash = EngineHashConfig::vllm("0.32".parse().unwrap(), VllmHashAlgo::Sha256Cbor, None, BLOCK as usize).unwrap();
-    let front = FrontConfig { hash: Some(hash), ..FrontConfig::default() };
+    let front = FrontConfig { hash: Some(hash), ..front };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -275,5 +280,129 @@ async fn a_client_that_goes_away_ends_the_engines_request_and_it_is_reported_fai
     let c = f.router.counters().tracker;
     assert_eq!((c.done, c.failures, c.connect_failures), (0, 1, 0));
     assert!(face.counters()[0].generation_tokens < 100, "{:?}", face.counters());
+    f.stop().await;
+}
+
+/// A model directory whose tokenizer is the mock engine's: one token per byte of the text, its
+/// value (a character-level WordLevel over ASCII), and a chat template that joins the messages'
+/// contents, as the mock engine reads a chat request.
+fn mock_model_dir() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let mut vocab = serde_json::Map::new();
+    for b in 32u8..127 {
+        vocab.insert((b as char).to_string(), b.into());
+    }
+    vocab.insert("<unk>".into(), 0.into());
+    let tokenizer = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [], "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "."}, "behavior": "Isolated", "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    std::fs::write(dir.path().join("tokenizer.json"), tokenizer.to_string()).unwrap();
+    let config = serde_json::json!({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"});
+    std::fs::write(dir.path().join("tokenizer_config.json"), config.to_string()).unwrap();
+    dir
+}
+
+/// `POST path` on the front; the answer's status, the worker the router chose and the blocks
+/// it predicted cached (its headers), and the body.
+async fn post_seen(addr: std::net::SocketAddr, path: &'static str, body: String) -> (u16, String, u64, String) {
+    use std::io::{Read, Write};
+    tokio::task::spawn_blocking(move || {
+        let mut s = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        let status: u16 = head.split(' ').nth(1).unwrap().parse().unwrap();
+        let header = |name: &str| {
+            head.lines()
+                .find_map(|l| l.split_once(": ").filter(|(k, _)| k.eq_ignore_ascii_case(name)).map(|(_, v)| v.to_string()))
+                .unwrap_or_default()
+        };
+        let body = if header("transfer-encoding") == "chunked" {
+            kv_relay_testkit::metrics::dechunk(body)
+        } else {
+            body.to_string()
+        };
+        (status, header("x-kv-router-worker"), header("x-kv-router-matched-blocks").parse().unwrap_or(u64::MAX), body)
+    })
+    .await
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_prompts_and_chat_messages_are_tokenized_as_the_engine_does_and_routed_by_their_prefix() {
+    let model = mock_model_dir();
+    let tokenizer = Arc::new(kv_router::tokenize::Tokenizer::from_dir(model.path()).unwrap());
+    text_and_chat_routed_by_prefix(FrontConfig { tokenizer: Some(tokenizer), ..FrontConfig::default() }, [3, 0]).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_tokenizer_an_engines_tokenize_gives_the_tokens() {
+    text_and_chat_routed_by_prefix(FrontConfig { tokenize_via_engine: true, ..FrontConfig::default() }, [0, 3]).await;
+}
+
+/// A text prompt, then the same text, then a chat starting with it: the second and third go
+/// to the first's worker with its 8 blocks predicted and cached. `by`: how many prompts the
+/// router and the engines tokenized.
+async fn text_and_chat_routed_by_prefix(front: FrontConfig, by: [u64; 2]) {
+    let f = fleet_with(2, &[], front).await;
+    // 34 characters: 34 tokens for the engine, 8 full blocks of 4.
+    let text = "Route me where my prefix is cached";
+    assert_eq!(text.len(), 34);
+    let completion = serde_json::json!({"model": "m", "prompt": text, "max_tokens": 2}).to_string();
+    let chat = serde_json::json!({"model": "m", "messages": [
+        {"role": "system", "content": "Route me where my "},
+        {"role": "user", "content": "prefix is cached, then more"},
+    ]})
+    .to_string();
+    let (status, first, matched, body) = post_seen(f.addr, "/v1/completions", completion.clone()).await;
+    assert_eq!((status, matched), (200, 0), "{body}");
+    assert_eq!(usage(&body)["prompt_tokens_details"]["cached_tokens"], 0);
+    reported(&f.router, 1).await;
+    // The router sees the engine hold the 8 blocks the text's tokens make.
+    let hashes = kv_relay_proto::hash::block_event_hashes(
+        &EngineHashConfig::vllm("0.32".parse().unwrap(), VllmHashAlgo::Sha256Cbor, None, BLOCK as usize).unwrap(),
+        &kv_relay_proto::hash::RequestKeys {
+            token_ids: &text.bytes().map(u64::from).collect::<Vec<_>>(),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !f.router.follower().matches(&hashes, Default::default()).iter().any(|w| w.matched_blocks == 8) {
+        assert!(Instant::now() < deadline, "the router never saw the blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // The same text: the same worker, 8 blocks predicted, 32 tokens cached by the engine.
+    let (status, again, matched, body) = post_seen(f.addr, "/v1/completions", completion).await;
+    assert_eq!((status, &again, matched), (200, &first, 8), "{body}");
+    assert_eq!(usage(&body)["prompt_tokens_details"]["cached_tokens"], 32);
+    // A chat whose messages' contents start with the same 34 characters (45 in all): the same
+    // worker again, the same 8 blocks predicted and cached.
+    let (status, chatted, matched, body) = post_seen(f.addr, "/v1/chat/completions", chat).await;
+    assert_eq!((status, &chatted, matched), (200, &first, 8), "{body}");
+    assert_eq!(usage(&body)["prompt_tokens_details"]["cached_tokens"], 32);
+    reported(&f.router, 3).await;
+    let (_, metrics) = tokio::task::spawn_blocking({
+        let a = f.addr;
+        move || http_get(a, "/metrics").unwrap()
+    })
+    .await
+    .unwrap();
+    for line in [
+        format!("kv_router_front_tokenized_total{{by=\"router\"}} {}", by[0]),
+        format!("kv_router_front_tokenized_total{{by=\"engine\"}} {}", by[1]),
+        "kv_router_front_tokenize_errors_total 0".to_string(),
+    ] {
+        assert!(metrics.lines().any(|l| l == line), "{line} not in {metrics}");
+    }
     f.stop().await;
 }

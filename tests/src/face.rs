@@ -372,6 +372,22 @@ fn answer(shared: &Shared, mut stream: TcpStream) -> std::io::Result<()> {
             respond(&mut stream, "200 OK", "application/json", body.to_string().as_bytes())
         }
         ("POST", "/v1/completions") | ("POST", "/v1/chat/completions") => complete(shared, &mut stream, &req),
+        ("POST", "/tokenize") => {
+            // vLLM's: a prompt's or chat request's tokens, as the mock reads them.
+            let tokens = serde_json::from_slice::<serde_json::Value>(&req.body).ok().and_then(|v| prompt_tokens(&v));
+            match tokens {
+                Some(t) => {
+                    let body = serde_json::json!({"count": t.len(), "max_model_len": 1 << 20, "tokens": t});
+                    respond(&mut stream, "200 OK", "application/json", body.to_string().as_bytes())
+                }
+                None => respond(
+                    &mut stream,
+                    "400 Bad Request",
+                    "application/json",
+                    &error_json("no prompt or messages", 400),
+                ),
+            }
+        }
         ("GET", _) => respond(&mut stream, "404 Not Found", "text/plain", b"not found\n"),
         _ => respond(&mut stream, "405 Method Not Allowed", "text/plain", b"method not allowed\n"),
     }
