@@ -8,12 +8,17 @@
 #     following both, and an independent ZeroMQ recorder (scripts/live-vllm/record.py, one SUB
 #     per rank) started before any traffic;
 #   - seeded token-id prompts in families sharing prefixes, each routed by kv-router's
-#     POST /match and sent to the chosen engine (and rank) with max_tokens 1
+#     POST /match and sent to the chosen engine (and rank) with max_tokens 1; then text prompts
+#     and chat conversations through kv-router's OpenAI front, which tokenizes them with the
+#     model's own tokenizer and chat template (the tiny model's BPE, router/tests/data/tokenize/
+#     tiny, made on this machine by scripts/tokenizer/make.sh), as the engines do
 #     (scripts/live-vllm/drive.py, which also makes every comparison).
 # Checks, exiting 1 on any difference: (a) each relay's live blocks == the recorder's; (b) per
 # request, the router's predicted blocks x block size == vLLM's cached_tokens; (c) hit rates of
 # routed, round-robin and oracle traffic (routed may not lose to round-robin); (d) (a) and (b)
-# again after kill -9 of each relay mid-request and a restart. Exit 2: it could not run.
+# again after kill -9 of each relay mid-request and a restart; (e) through the front: the router's
+# tokens == vLLM's /tokenize, prediction == cached_tokens, hit rate against the oracle, and the
+# front's added latency. Exit 2: it could not run.
 #
 # It installs what it needs: scripts/real-engine/install.sh puts vLLM 0.32 (CPU) and the model
 # into LIVE_VLLM_ENGINE_DIR (default: ../real-engine beside the checkout; ~6 GB, ~5 minutes the
@@ -131,6 +136,8 @@ wait_http() { # NAME URL SECONDS
 PY=$ENGINE_DIR/vllmenv/bin/python
 MODEL=$ENGINE_DIR/tiny-llama
 [ -x "$PY" ] && [ -f "$MODEL/config.json" ] || die "no engine in $ENGINE_DIR"
+# The model's tokenizer and chat template (the engines and the router read the same files).
+cp "$repo"/router/tests/data/tokenize/tiny/* "$MODEL/" || die "cannot give $MODEL its tokenizer"
 BIN=${CARGO_TARGET_DIR:-$repo/target}/release
 for b in kv-relay relayctl kv-router; do [ -x "$BIN/$b" ] || die "no $BIN/$b after the build"; done
 command -v curl >/dev/null || die "curl is needed"
@@ -153,7 +160,7 @@ engine_env=(env VLLM_CPU_KVCACHE_SPACE=1 VLLM_CPU_OMP_THREADS_BIND=nobind VLLM_C
 engine() { # NAME HTTP_PORT PUB REPLAY EXTRA...
   local name=$1 port=$2 pub=$3 replay=$4; shift 4
   start "$name" "${engine_env[@]}" "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" \
-    --served-model-name tiny-llama --host 127.0.0.1 --port "$port" --skip-tokenizer-init \
+    --served-model-name tiny-llama --host 127.0.0.1 --port "$port" \
     --enable-prefix-caching --prefix-caching-hash-algo "$HASH_ALGO" --block-size "$BS" \
     --max-model-len 512 --dtype bfloat16 --enforce-eager --num-gpu-blocks-override "$BLOCKS" \
     --max-num-seqs 4 --seed 0 --enable-prompt-tokens-details \
@@ -171,7 +178,8 @@ say "engines up after ${SECONDS} s"
 relay_launch() { # NAME PUB REPLAY DP HTTP LISTEN METRICS
   cat >"$RUN/relay-$1.sh" <<EOF
 exec "$BIN/kv-relay" --endpoint tcp://127.0.0.1:$2 --replay-endpoint tcp://127.0.0.1:$3 --dp-size $4 \\
-  --topic kv --engine-metrics-url http://127.0.0.1:$5/metrics --state-dir "$RUN/relay-$1-state" \\
+  --topic kv --engine-metrics-url http://127.0.0.1:$5/metrics --engine-url http://127.0.0.1:$5 \
+  --state-dir "$RUN/relay-$1-state" \\
   --listen 127.0.0.1:$6 --metrics-listen 127.0.0.1:$7 --hash-check --hash-engine vllm \\
   --hash-engine-version $VLLM_VERSION --hash-algo $HASH_ALGO --hash-seed $HASH_SEED
 EOF
@@ -180,7 +188,8 @@ EOF
 relay_launch a "$A_PUB" "$A_REPLAY" 2 "$A_HTTP" "$RELAY_A" "$RELAY_A_METRICS"
 relay_launch b "$B_PUB" "$B_REPLAY" 1 "$B_HTTP" "$RELAY_B" "$RELAY_B_METRICS"
 start router "$BIN/kv-router" --relay "http://127.0.0.1:$RELAY_A" --relay "http://127.0.0.1:$RELAY_B" \
-  --listen "127.0.0.1:$ROUTER"
+  --listen "127.0.0.1:$ROUTER" --model-dir "$MODEL" \
+  --engine-hash "{\"engine\": \"vllm\", \"version\": \"$VLLM_VERSION\", \"algo\": \"$HASH_ALGO\", \"block_size\": $BS, \"python_hash_seed\": \"$HASH_SEED\"}"
 wait_http relay-a "http://127.0.0.1:$RELAY_A_METRICS/metrics" 60
 wait_http relay-b "http://127.0.0.1:$RELAY_B_METRICS/metrics" 60
 wait_http router "http://127.0.0.1:$ROUTER/workers" 60
@@ -195,7 +204,7 @@ drive=("${engine_env[@]}" "$PY" "$repo/scripts/live-vllm/drive.py" \
   --relay-a-log "$RUN/relay-a.log" --relay-b-log "$RUN/relay-b.log" \
   --record "$RUN/recorded.jsonl" --model-name tiny-llama --vllm-version "$VLLM_VERSION" \
   --block-size "$BS" --hash-algo "$HASH_ALGO" --hash-seed "$HASH_SEED" \
-  --seed "$SEED" --requests "$REQUESTS")
+  --seed "$SEED" --requests "$REQUESTS" --corpus "$repo/router/tests/data/tokenize/corpus.md")
 # In the background, so that a signal to this script runs the trap at once (bash runs traps only
 # between foreground commands); the driver is stopped with the rest.
 timeout -k 10 "$TIMEOUT" "${drive[@]}" &

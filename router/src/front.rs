@@ -1,5 +1,6 @@
 //! The OpenAI-compatible front: `POST /v1/completions`, `POST /v1/chat/completions` and
-//! `GET /v1/models`, passed through to the engine [`Router::route`] chooses.
+//! `GET /v1/models`, passed through to the engine [`Router::route`] chooses; `POST /tokenize`,
+//! the router's own tokenization of a prompt (with a model directory).
 //!
 //! The request body goes to the engine byte for byte (vLLM takes the DP rank in the
 //! `X-data-parallel-rank` header), and the engine's status, headers and body (streamed, so SSE
@@ -439,6 +440,24 @@ async fn models(State(f): State<Arc<Front>>) -> Response {
     }
 }
 
+/// `POST /tokenize`: a prompt's or chat request's tokens as the router makes them (vLLM's
+/// `/tokenize` shape: `{"prompt": ...}` or `{"messages": [...], ...}`, answered with
+/// `{"count", "tokens"}`), to hold the router's tokenization to the engine's.
+async fn tokenize(State(f): State<Arc<Front>>, body: Bytes) -> Response {
+    let Some(t) = &f.cfg.tokenizer else {
+        return error(StatusCode::NOT_FOUND, "not_found", "the router has no tokenizer (start it with --model-dir)");
+    };
+    let is_chat = serde_json::from_slice::<serde_json::Value>(&body).is_ok_and(|v| v.get("messages").is_some());
+    let path = if is_chat { "/v1/chat/completions" } else { "/v1/completions" };
+    match Prompt::of(path, &body).and_then(|p| t.tokens(&p)) {
+        Ok(tokens) => {
+            let answer = serde_json::json!({"count": tokens.len(), "tokens": tokens});
+            (StatusCode::OK, [(header::CONTENT_TYPE, "application/json")], answer.to_string()).into_response()
+        }
+        Err(e) => error(StatusCode::BAD_REQUEST, "invalid_request_error", e.to_string()),
+    }
+}
+
 /// The front's routes, to merge into the API's.
 pub fn routes(front: Arc<Front>) -> axum::Router {
     use axum::routing::{get, post};
@@ -446,5 +465,6 @@ pub fn routes(front: Arc<Front>) -> axum::Router {
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize))
         .with_state(front)
 }

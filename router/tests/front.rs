@@ -404,5 +404,29 @@ async fn text_and_chat_routed_by_prefix(front: FrontConfig, by: [u64; 2]) {
     ] {
         assert!(metrics.lines().any(|l| l == line), "{line} not in {metrics}");
     }
+    // The router's own /tokenize answers what the engine's does.
+    if by[0] > 0 {
+        for (body, want) in [
+            (serde_json::json!({"prompt": "ab c"}), vec![97u64, 98, 32, 99]),
+            (
+                serde_json::json!({"messages": [{"role": "user", "content": "x"}, {"role": "user", "content": "yz"}]}),
+                vec![120, 121, 122],
+            ),
+        ] {
+            let (status, text) = post(f.addr, "/tokenize", body.to_string()).await;
+            assert_eq!(status, 200, "{text}");
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            assert_eq!((v["count"].as_u64(), ids_of(&v["tokens"])), (Some(want.len() as u64), want));
+        }
+        let (status, text) = post(f.addr, "/tokenize", "{}".into()).await;
+        assert_eq!((status, text.contains("no prompt or messages")), (400, true), "{text}");
+    } else {
+        let (status, text) = post(f.addr, "/tokenize", r#"{"prompt": "x"}"#.into()).await;
+        assert_eq!((status, text.contains("--model-dir")), (404, true), "{text}");
+    }
     f.stop().await;
+}
+
+fn ids_of(v: &serde_json::Value) -> Vec<u64> {
+    v.as_array().unwrap().iter().map(|i| i.as_u64().unwrap()).collect()
 }

@@ -12,7 +12,14 @@ sends seeded token-id prompts through four phases and compares:
       block-hash code from the recorder's live blocks);
   (c) the hit rate (cached / prompt tokens) of routed traffic, round-robin and the oracle (each
       request to the worker whose live blocks, as recorded, hold most of its prefix);
-  (d) (a) and (b) again after kill -9 of each relay in turn, mid-request, and a restart.
+  (d) (a) and (b) again after kill -9 of each relay in turn, mid-request, and a restart;
+  (e) text prompts and chat conversations sent through kv-router's OpenAI front (the engines
+      tokenize them with the tiny model's tokenizer and apply its chat template): per request,
+      the router's tokens (its POST /tokenize) == vLLM's (POST /tokenize), the router's
+      prediction (x-kv-router-matched-blocks, capped by vLLM's rule) == cached_tokens, the
+      hit rate against the oracle (the best cached prefix any worker held, as recorded, when the
+      request was sent), and the front's added latency against the same request sent to the
+      same engine directly.
 
 vLLM's rule for cached_tokens (vllm/v1/core/kv_cache_manager.py, get_computed_blocks): a hit is
 looked up over at most `num_tokens - 1` tokens (the last prompt token is always computed, to get
@@ -53,6 +60,11 @@ class RunError(Exception):
 
 
 def http(method, url, body=None, headers=None, timeout=60):
+    return http_full(method, url, body, headers, timeout)[0]
+
+
+def http_full(method, url, body=None, headers=None, timeout=60):
+    """The answer's JSON and its headers."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
@@ -61,11 +73,12 @@ def http(method, url, body=None, headers=None, timeout=60):
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             raw = r.read()
+            got = {k.lower(): v for k, v in r.headers.items()}
     except urllib.error.HTTPError as e:
         raise RunError(f"{method} {url}: HTTP {e.code}: {e.read()[:500]!r}") from e
     except OSError as e:
         raise RunError(f"{method} {url}: {e}") from e
-    return json.loads(raw) if raw.strip() else None
+    return (json.loads(raw) if raw.strip() else None), got
 
 
 # --- vLLM's block hashes (its own code) -----------------------------------------------------------
@@ -467,7 +480,119 @@ class Fleet:
         return stats, rows
 
 
+    # (e) One text or chat request through the front.
+    def run_front(self, requests):
+        self.reset_caches()
+        stats = collections.Counter()
+        sent = collections.Counter()
+        worker_of = {}
+        for i, (path, body) in enumerate(requests):
+            kind = "chat" if path.endswith("/chat/completions") else "completion"
+            ask = {k: v for k, v in body.items() if k in ("model", "prompt", "messages")}
+            engine_tokens = http("POST", self.engines["A"] + "/tokenize", ask)["tokens"]
+            router_tokens = http("POST", self.router + "/tokenize", ask)["tokens"]
+            stats[f"tokenized_{kind}"] += 1
+            if router_tokens == engine_tokens:
+                stats[f"tokens_equal_{kind}"] += 1
+            else:
+                first = next((j for j, (a, b) in enumerate(zip(router_tokens, engine_tokens)) if a != b),
+                             min(len(router_tokens), len(engine_tokens)))
+                self.fail(f"(e) request {i} ({kind}): kv-router made {len(router_tokens)} tokens, vLLM "
+                          f"{len(engine_tokens)}; first difference at {first}")
+            hashes = self.hasher.event_hashes(engine_tokens)
+            truth_m = {w: self.truth.matched(w, hashes) for w in self.workers}
+            cap = (len(engine_tokens) - 1) // self.bs
+            oracle = max(min(m, cap) for m in truth_m.values()) * self.bs
+            t0 = time.monotonic()
+            r, headers = http_full("POST", self.router + path, body)
+            stats["front_seconds"] += time.monotonic() - t0
+            url, rank = headers["x-kv-router-worker"].rsplit(" ", 1)
+            w = (self.relay_of_url[url], int(rank))
+            worker_of[i] = w
+            sent[w] += 1
+            matched = int(headers["x-kv-router-matched-blocks"])
+            usage = r["usage"]
+            cached = usage["prompt_tokens_details"]["cached_tokens"]
+            if usage["prompt_tokens"] != len(engine_tokens):
+                self.fail(f"(e) request {i}: the engine counted {usage['prompt_tokens']} prompt tokens, "
+                          f"its /tokenize {len(engine_tokens)}")
+            predicted = min(matched, cap) * self.bs
+            stats["requests"] += 1
+            stats["prompt_tokens"] += len(engine_tokens)
+            stats["cached_tokens"] += cached
+            stats["oracle_tokens"] += oracle
+            if predicted == cached:
+                stats["predicted_ok"] += 1
+                if matched > cap:
+                    stats["last_block_rule"] += 1
+            else:
+                self.fail(f"(e) request {i} ({kind}) to {w}: kv-router predicted {matched} blocks (capped at "
+                          f"{cap}: {predicted} tokens), vLLM cached {cached}")
+            if min(truth_m[w], cap) * self.bs != cached:
+                self.fail(f"(e) request {i} to {w}: vLLM cached {cached} tokens, the recorder had "
+                          f"{truth_m[w]} of its {len(hashes)} blocks live there")
+            self.settle()
+        stats["per_worker"] = dict(sent)
+        return stats, worker_of
+
+    # (e) The front's added latency: the same request (its prefix cached) through the front and
+    # to the worker's engine directly, alternately.
+    def front_latency(self, path, body, rounds):
+        _, headers = http_full("POST", self.router + path, body)
+        url, rank = headers["x-kv-router-worker"].rsplit(" ", 1)
+        engine = self.relay_of_url[url]
+        direct_headers = {"X-data-parallel-rank": rank}
+        front, direct = [], []
+        for _ in range(rounds):
+            t0 = time.monotonic()
+            _, h = http_full("POST", self.router + path, body)
+            front.append(time.monotonic() - t0)
+            if h["x-kv-router-worker"] != headers["x-kv-router-worker"]:
+                continue
+            t0 = time.monotonic()
+            http("POST", self.engines[engine] + path, body, direct_headers)
+            direct.append(time.monotonic() - t0)
+        self.settle()
+        return front, direct
+
+
 # --- Prompts -------------------------------------------------------------------------------------
+
+
+def make_text_requests(seed, n, families, corpus):
+    """Text prompts and chat conversations in families, from the paragraphs of `corpus`: each
+    family a shared system text; each request a completion of the system text and a question, or
+    a chat (the system message and a user turn), or the next turn of an earlier chat of its family
+    (its messages, an assistant answer and a new user turn). About one in eight is a verbatim
+    repeat."""
+    rng = random.Random(seed)
+    with open(corpus) as f:
+        paras = [p.strip() for p in f.read().split("\n\n") if 60 < len(p.strip()) < 700 and not p.startswith("```")]
+    systems = [" ".join(rng.sample(paras, 2)) for _ in range(families)]
+    chats = [[] for _ in range(families)]
+    out = []
+    for _ in range(n):
+        if out and rng.random() < 1 / 8:
+            out.append(rng.choice(out))
+            continue
+        fam = rng.randrange(families)
+        question = rng.choice(paras)[: rng.randrange(40, 300)]
+        if rng.random() < 0.4:
+            body = {"prompt": systems[fam] + "\n\nQuestion: " + question}
+            out.append(("/v1/completions", body))
+            continue
+        if chats[fam] and rng.random() < 0.6 and len(json.dumps(chats[fam][-1])) < 1400:
+            msgs = chats[fam][-1] + [
+                {"role": "assistant", "content": rng.choice(paras)[:120]},
+                {"role": "user", "content": question},
+            ]
+        else:
+            msgs = [{"role": "system", "content": systems[fam]}, {"role": "user", "content": question}]
+        chats[fam].append(msgs)
+        out.append(("/v1/chat/completions", {"messages": msgs}))
+    return out
+
+
 
 
 def make_prompts(seed, n, families, block_size, max_len):
@@ -517,6 +642,9 @@ def main():
     ap.add_argument("--requests", type=int, default=36)
     ap.add_argument("--families", type=int, default=6)
     ap.add_argument("--max-len", type=int, default=440)
+    ap.add_argument("--corpus", required=True, help="text of the front phase's prompts (paragraphs)")
+    ap.add_argument("--front-requests", type=int, default=36)
+    ap.add_argument("--latency-rounds", type=int, default=30)
     ap.add_argument("--quiet", type=float, default=0.25, help="seconds without a KV event that count as settled")
     args = ap.parse_args()
 
@@ -535,6 +663,26 @@ def main():
         stats, _ = fleet.run_phase(policy, prompts)
         results[policy] = stats
         fleet.compare_relays(f"after {policy}")
+
+    # (e): text and chat through the front.
+    texts = make_text_requests(args.seed, args.front_requests, args.families, args.corpus)
+    for path, body in texts:
+        body.update({"model": args.model_name, "max_tokens": 1, "temperature": 0.0})
+    # Only requests that fit the engines' 512-token context (with room for the output token).
+    fitting = []
+    for path, body in texts:
+        ask = {k: v for k, v in body.items() if k in ("model", "prompt", "messages")}
+        if len(http("POST", fleet.engines["A"] + "/tokenize", ask)["tokens"]) <= args.max_len:
+            fitting.append((path, body))
+    chats = sum(1 for p, _ in fitting if p.endswith("/chat/completions"))
+    log(f"phase front: {len(fitting)} requests through kv-router's front ({chats} chat, {len(fitting) - chats} text; "
+        f"{len(texts) - len(fitting)} over {args.max_len} tokens left out)")
+    results["front"], _ = fleet.run_front(fitting)
+    fleet.compare_relays("after the front")
+    lat = {}
+    for path, body in (fitting[0], next(((p, b) for p, b in fitting if p.endswith("/chat/completions")), fitting[0])):
+        front, direct = fleet.front_latency(path, body, args.latency_rounds)
+        lat[path] = (front, direct)
 
     # (d): kill -9 each relay in turn while a request is in flight, send more with it down, restart it.
     n = len(prompts)
@@ -604,6 +752,24 @@ def main():
             f"(request, worker) pairs"
             + (f"; {s['predicted_ok_outage']}/{s['predicted_outage']} right while the worker's relay was down "
                f"(not required)" if s["predicted_outage"] else "")
+        )
+    s = results["front"]
+    log(
+        f"  (e) front: tokens == vLLM's /tokenize for {s['tokens_equal_completion']}/{s['tokenized_completion']} text "
+        f"prompts and {s['tokens_equal_chat']}/{s['tokenized_chat']} chats; predicted == cached_tokens for "
+        f"{s['predicted_ok']}/{s['requests']} ({s['last_block_rule']} capped by the last-block rule); hit rate "
+        f"{s['cached_tokens'] / max(1, s['prompt_tokens']):.3f}, against the oracle "
+        f"{s['cached_tokens'] / max(1, s['oracle_tokens']):.3f} ({s['cached_tokens']} of the oracle's "
+        f"{s['oracle_tokens']} tokens); requests per worker "
+        + ", ".join(f"{w[0]}{w[1]}={s['per_worker'].get(w, 0)}" for w in fleet.workers)
+    )
+    for path, (front, direct) in lat.items():
+        med = lambda xs: sorted(xs)[len(xs) // 2] * 1000 if xs else float("nan")
+        p90 = lambda xs: sorted(xs)[int(len(xs) * 0.9)] * 1000 if xs else float("nan")
+        log(
+            f"  (e) {path}: through the front p50 {med(front):.2f} ms, p90 {p90(front):.2f} ms; the engine "
+            f"directly p50 {med(direct):.2f} ms, p90 {p90(direct):.2f} ms; added p50 {med(front) - med(direct):.2f} ms "
+            f"({len(front)} and {len(direct)} requests, max_tokens 1, prefix cached)"
         )
     for label, hc in (("before the crashes", hc_before), ("after the restarts", hc_after)):
         for (name, rank), (checked, mism, skipped) in sorted(hc.items()):
