@@ -148,16 +148,20 @@ impl Front {
         }
     }
 
-    /// `POST /tokenize` on a routable engine (vLLM's: `{"prompt"}` or `{"messages", ...}`,
-    /// answered with `{"tokens": [...]}`).
-    async fn tokenize_via_engine(&self, prompt: &Prompt) -> Result<Vec<u64>, String> {
-        let engines: Vec<Arc<str>> = self
-            .router
+    /// The engine URLs of the routable workers, in the router's order.
+    fn routable_engine_urls(&self) -> Vec<Arc<str>> {
+        self.router
             .workers()
             .into_iter()
             .filter(|w| w.routing.routing == "routable")
             .filter_map(|w| w.worker.engine_url)
-            .collect();
+            .collect()
+    }
+
+    /// `POST /tokenize` on a routable engine (vLLM's: `{"prompt"}` or `{"messages", ...}`,
+    /// answered with `{"tokens": [...]}`).
+    async fn tokenize_via_engine(&self, prompt: &Prompt) -> Result<Vec<u64>, String> {
+        let engines = self.routable_engine_urls();
         if engines.is_empty() {
             return Err("no routable engine with a known URL".into());
         }
@@ -417,13 +421,7 @@ async fn chat_completions(State(f): State<Arc<Front>>, headers: HeaderMap, body:
 
 /// `GET /v1/models`: the first routable engine's answer.
 async fn models(State(f): State<Arc<Front>>) -> Response {
-    let engine = f
-        .router
-        .workers()
-        .into_iter()
-        .find(|w| w.routing.routing == "routable" && w.worker.engine_url.is_some())
-        .and_then(|w| w.worker.engine_url);
-    let Some(base) = engine else {
+    let Some(base) = f.routable_engine_urls().into_iter().next() else {
         return error(StatusCode::SERVICE_UNAVAILABLE, "service_unavailable", "no routable engine with a known URL");
     };
     let uri: Uri = match format!("{}/v1/models", base.trim_end_matches('/')).parse() {
