@@ -112,6 +112,18 @@ async fn reported(router: &Router, n: u64) {
     }
 }
 
+/// Waits until a worker holds `n` leading blocks of `hashes` and its load, as the router last
+/// heard it, is idle: a scrape taken while an earlier request ran says 1 running, which
+/// `cache_aware` rightly weighs above a few blocks' prefill.
+async fn until_held_and_idle(router: &Router, hashes: &[u64], n: u32) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let idle = |w: &kv_router_client::MatchRef<'_>| w.load.is_some_and(|l| l.running == 0.0 && l.waiting == 0.0);
+    while !router.follower().matches(hashes, Default::default()).iter().any(|w| w.matched_blocks == n && idle(&w)) {
+        assert!(Instant::now() < deadline, "no idle worker held the {n} blocks");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_repeated_prompt_goes_where_its_prefix_is_and_the_engine_caches_what_was_predicted() {
     let f = fleet(2, &[]).await;
@@ -129,19 +141,12 @@ async fn a_repeated_prompt_goes_where_its_prefix_is_and_the_engine_caches_what_w
     )
     .unwrap();
     assert_eq!(hashes.len(), 8);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let m = f.router.follower().matches(&hashes, Default::default());
-        if m.iter().any(|w| w.matched_blocks == 8) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the router never saw the blocks");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_held_and_idle(&f.router, &hashes, 8).await;
     // Again, streamed: the same engine, all 8 blocks cached, as the router predicted.
     let routed = f.router.route(&hashes).unwrap();
     assert_eq!((f.engine_of(routed.engine_url.as_deref().unwrap()), routed.matched_blocks), (holder, 8));
     f.router.report(routed.request_id, kv_router::Outcome::Done, Default::default()).unwrap();
+    until_held_and_idle(&f.router, &hashes, 8).await;
     let stream = serde_json::json!({"model": "m", "prompt": prompt, "stream": true}).to_string();
     let (status, sse) = post(f.addr, "/v1/completions", stream).await;
     assert_eq!(status, 200);
@@ -376,15 +381,12 @@ async fn text_and_chat_routed_by_prefix(front: FrontConfig, by: [u64; 2]) {
         },
     )
     .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !f.router.follower().matches(&hashes, Default::default()).iter().any(|w| w.matched_blocks == 8) {
-        assert!(Instant::now() < deadline, "the router never saw the blocks");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    until_held_and_idle(&f.router, &hashes, 8).await;
     // The same text: the same worker, 8 blocks predicted, 32 tokens cached by the engine.
     let (status, again, matched, body) = post_seen(f.addr, "/v1/completions", completion).await;
     assert_eq!((status, &again, matched), (200, &first, 8), "{body}");
     assert_eq!(usage(&body)["prompt_tokens_details"]["cached_tokens"], 32);
+    until_held_and_idle(&f.router, &hashes, 8).await;
     // A chat whose messages' contents start with the same 34 characters (45 in all): the same
     // worker again, the same 8 blocks predicted and cached.
     let (status, chatted, matched, body) = post_seen(f.addr, "/v1/chat/completions", chat).await;
