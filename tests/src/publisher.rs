@@ -5,10 +5,10 @@
 //! the sequence counter and the replay buffer. The rest of the kit talks to it through a
 //! bounded command channel ([`RankHandle`]); when that channel is full, senders block (the
 //! engine's own publisher queue blocks the scheduler the same way), so nothing is dropped
-//! silently. The thread polls the ROUTER socket with a short timeout between commands, so
-//! replay requests are answered while traffic flows and while a delay holds the wire; every
-//! command also rings a doorbell (an inproc PUSH/PULL pair) that ends that wait, so a batch goes
-//! out as soon as it is handed over, not up to a poll timeout later.
+//! silently. The thread waits on the ROUTER socket and on a doorbell (an inproc PUSH/PULL pair)
+//! that every command rings, so replay requests are answered while traffic flows and while a
+//! delay holds the wire, and a batch goes out as soon as it is handed over; the wait's timeout
+//! only serves a held wire's release.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -25,8 +25,10 @@ pub const END_SEQ: [u8; 8] = [0xff; 8];
 /// How many commands may wait for a rank thread before senders block.
 const COMMAND_QUEUE: usize = 4096;
 
-/// How long the rank thread waits on the ROUTER socket before looking at commands again.
-const POLL_MS: i64 = 2;
+/// The longest the rank thread sleeps. Commands ring the doorbell and replay requests wake the
+/// ROUTER poll, so only a held wire's deadline needs a timer (see [`Worker::wait_ms`]); the
+/// bound keeps a many-rank engine idle without busy wake-ups.
+const IDLE_WAIT_MS: u64 = 100;
 
 #[derive(Debug, thiserror::Error)]
 pub enum PublisherError {
@@ -218,6 +220,7 @@ impl RankHandle {
             after_replay: Vec::new(),
             lose: 0,
             hold_until: None,
+            more_pending: false,
             pending: VecDeque::new(),
             stats: stats.clone(),
             log: log.clone(),
@@ -304,6 +307,8 @@ struct Worker {
     /// Batches buffered under `WireAfterReplay`, sent once a replay request has been answered.
     after_replay: Vec<[Vec<u8>; 3]>,
     hold_until: Option<Instant>,
+    /// The last round stopped at its bound with commands possibly left in the channel.
+    more_pending: bool,
     /// Ordered commands held back by a delay.
     pending: VecDeque<Cmd>,
     stats: Arc<Mutex<RankStats>>,
@@ -395,14 +400,14 @@ impl Worker {
         loop {
             self.serve_replay();
             self.release_held();
-            // Wait briefly for a command; the ROUTER is polled again right after.
+            // With a ROUTER, serve_replay's poll was the wait (the doorbell ends it).
             let first = if self.sockets.as_ref().is_some_and(|s| s.router.is_some()) {
                 rx.try_recv().map_err(|e| match e {
                     mpsc::TryRecvError::Empty => RecvTimeoutError::Timeout,
                     mpsc::TryRecvError::Disconnected => RecvTimeoutError::Disconnected,
                 })
             } else {
-                rx.recv_timeout(Duration::from_millis(POLL_MS as u64))
+                rx.recv_timeout(Duration::from_millis(self.wait_ms()))
             };
             let mut next = match first {
                 Ok(cmd) => Some(cmd),
@@ -420,9 +425,23 @@ impl Worker {
                     next = rx.try_recv().ok();
                 }
             }
+            // A full round may have left commands whose rings were drained already.
+            self.more_pending = handled >= 256;
             if handled > 0 {
                 self.publish_stats();
             }
+        }
+    }
+
+    /// How long the thread may wait for a command or a replay request: until a held wire's
+    /// release is due, at most [`IDLE_WAIT_MS`].
+    fn wait_ms(&self) -> u64 {
+        if self.more_pending {
+            return 0;
+        }
+        match self.hold_until {
+            Some(t) => (t.saturating_duration_since(Instant::now()).as_millis() as u64 + 1).min(IDLE_WAIT_MS),
+            None => IDLE_WAIT_MS,
         }
     }
 
@@ -555,7 +574,7 @@ impl Worker {
             return;
         };
         let mut items = [router.as_poll_item(zmq::POLLIN), self.doorbell.as_poll_item(zmq::POLLIN)];
-        if zmq::poll(&mut items, POLL_MS).is_err() {
+        if zmq::poll(&mut items, self.wait_ms() as i64).is_err() {
             return;
         }
         let (request, rung) = (items[0].is_readable(), items[1].is_readable());
