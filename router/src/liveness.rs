@@ -30,6 +30,8 @@ pub struct Signals {
     pub engine: EngineLiveness,
     /// The relay reports the rank `STOPPED`: it does not follow the rank's engine.
     pub engine_stopped: bool,
+    /// The follower has heard of the worker at least once (a record, heartbeat or snapshot).
+    pub heard: bool,
 }
 
 impl Signals {
@@ -37,6 +39,7 @@ impl Signals {
     pub fn cause(&self) -> Option<Cause> {
         match self.state {
             WorkerState::RelayUnreachable => return Some(Cause::RelayUnreachable),
+            WorkerState::Stale if !self.heard => return Some(Cause::NotYetHeard),
             WorkerState::Stale => return Some(Cause::StreamSilent),
             WorkerState::Syncing => return Some(Cause::Syncing),
             WorkerState::Degraded | WorkerState::Incomplete | WorkerState::Fresh => {}
@@ -57,6 +60,9 @@ pub enum Cause {
     StreamSilent,
     /// The relay is being resynced.
     Syncing,
+    /// The relay's stream has not said anything of the worker yet (it was just listed, or the
+    /// stream just opened).
+    NotYetHeard,
     /// The relay reports the engine unreachable, wedged or stopped.
     Engine(EngineLiveness),
     /// The relay reports that it does not follow the rank's engine.
@@ -74,6 +80,7 @@ impl Cause {
             Cause::RelayUnreachable => "relay_unreachable",
             Cause::StreamSilent => "stream_silent",
             Cause::Syncing => "syncing",
+            Cause::NotYetHeard => "not_yet_heard",
             Cause::Engine(EngineLiveness::Unreachable) => "engine_unreachable",
             Cause::Engine(EngineLiveness::Wedged) => "engine_wedged",
             Cause::Engine(EngineLiveness::Stopped) => "engine_stopped",
@@ -158,13 +165,14 @@ struct Entry {
     outs: u64,
     /// Requests routed to it.
     routed: u64,
-    /// Its relay was being resynced when last gated.
-    syncing: bool,
+    /// Why it waited without a verdict when last gated: its relay being resynced, or nothing
+    /// heard of it yet.
+    waiting: Option<Cause>,
 }
 
 impl Default for Entry {
     fn default() -> Self {
-        Entry { breaker: Breaker::Closed, in_flight: 0, outs: 0, routed: 0, syncing: false }
+        Entry { breaker: Breaker::Closed, in_flight: 0, outs: 0, routed: 0, waiting: None }
     }
 }
 
@@ -265,11 +273,12 @@ impl Tracker {
         let probe_timeout = self.cfg.probe_timeout;
         let retry_after = self.cfg.retry_after;
         let e = self.entry(id);
-        // A resync says nothing of the engine: the worker waits for its index without a verdict
-        // (no breaker moves, no out is counted, and no probe is owed when it ends).
-        e.syncing = bad == Some(Cause::Syncing);
-        if e.syncing {
-            return Gate::Out(Cause::Syncing);
+        // A resync says nothing of the engine, nor does a stream that has not spoken of the
+        // worker yet: it waits without a verdict (no breaker moves, no out is counted, and no
+        // probe is owed when it ends).
+        e.waiting = bad.filter(|c| matches!(c, Cause::Syncing | Cause::NotYetHeard));
+        if let Some(c) = e.waiting {
+            return Gate::Out(c);
         }
         let breaker = e.breaker;
         match (breaker, bad) {
@@ -351,6 +360,12 @@ impl Tracker {
         Ok(t.worker)
     }
 
+    /// Worker `id`'s engine refused a connection the router made for another worker behind it:
+    /// it leaves routing as if its own request had (its probe comes after `retry_after`).
+    pub fn refused(&mut self, id: WorkerId, now: Instant) {
+        self.open(id, Cause::ConnectFailed, now);
+    }
+
     /// Forgets the routed requests older than the request timeout (at most once a second), or,
     /// with `all_over_bound`, also the oldest past `max_tickets`.
     pub fn forget(&mut self, now: Instant, over_bound: bool) {
@@ -393,7 +408,7 @@ impl Tracker {
     pub fn state(&self, id: WorkerId) -> RoutingState {
         let e = self.workers.get(id.get() as usize).copied().unwrap_or_default();
         let (routing, cause) = match e.breaker {
-            Breaker::Closed if e.syncing => ("out", Some(Cause::Syncing)),
+            Breaker::Closed if e.waiting.is_some() => ("out", e.waiting),
             Breaker::Closed => ("routable", None),
             Breaker::Open { cause, .. } => ("out", Some(cause)),
             Breaker::HalfOpen { probe: None } => ("probing", None),

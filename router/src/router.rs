@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kv_relay_proto::hash::{block_event_hashes, EngineHashConfig, RequestKeys};
-use kv_router_client::index::TierId;
+use kv_router_client::index::{TierId, WorkerId};
 use kv_router_client::{EngineLiveness, Follower, MatchOptions, WorkerInfo};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -215,7 +215,12 @@ impl Router {
         inner.rows.clear();
         let mut held = (0u64, 0u64);
         for (i, w) in m.iter().enumerate() {
-            let signals = Signals { state: w.state, engine: w.liveness, engine_stopped: w.engine_stopped };
+            let signals = Signals {
+                state: w.state,
+                engine: w.liveness,
+                engine_stopped: w.engine_stopped,
+                heard: w.last_seen.is_some(),
+            };
             let gate = inner.tracker.gate(w.id, &signals, now);
             if let Gate::Out(_) = gate {
                 continue;
@@ -287,6 +292,9 @@ impl Router {
     pub fn report(&self, request_id: u64, outcome: Outcome, tokens: Tokens) -> Result<Reported, ReportError> {
         let now = Instant::now();
         let worker = self.lock().tracker.report(request_id, outcome, now)?;
+        if outcome == (Outcome::Failed { connect: true }) {
+            self.refused_behind(worker, now);
+        }
         for (c, v) in
             self.tokens.iter().zip([tokens.prompt_tokens, tokens.completion_tokens, tokens.cached_tokens.unwrap_or(0)])
         {
@@ -294,6 +302,20 @@ impl Router {
         }
         let (relay, dp_rank) = self.follower.index().workers().key(worker).unwrap_or_else(|| (Arc::from(""), 0));
         Ok(Reported { relay, dp_rank })
+    }
+
+    /// A connection to `worker`'s engine was refused: every other rank behind the same engine
+    /// URL (one HTTP server serves all of an engine's DP ranks) leaves routing with it, so the
+    /// request's retry goes to another engine.
+    fn refused_behind(&self, worker: WorkerId, now: Instant) {
+        let workers = self.follower.workers();
+        let Some(url) = workers.iter().find(|w| w.id == worker).and_then(|w| w.engine_url.clone()) else {
+            return;
+        };
+        let mut inner = self.lock();
+        for w in workers.iter().filter(|w| w.id != worker && w.engine_url.as_deref() == Some(&*url)) {
+            inner.tracker.refused(w.id, now);
+        }
     }
 
     /// Every worker known, with its routing state now: each breaker is moved by the worker's
@@ -306,7 +328,12 @@ impl Router {
             .into_iter()
             .map(|w| {
                 let engine = w.liveness.as_ref().map_or(EngineLiveness::Unknown, |l| l.state);
-                let signals = Signals { state: w.state, engine, engine_stopped: w.engine_stopped };
+                let signals = Signals {
+                    state: w.state,
+                    engine,
+                    engine_stopped: w.engine_stopped,
+                    heard: w.last_seen_ago.is_some(),
+                };
                 inner.tracker.gate(w.id, &signals, now);
                 RoutedWorker { routing: inner.tracker.state(w.id), worker: w }
             })

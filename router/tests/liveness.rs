@@ -13,10 +13,11 @@ fn w(n: u32) -> WorkerId {
     WorkerId::new(n).unwrap()
 }
 
-const GOOD: Signals = Signals { state: WorkerState::Fresh, engine: EngineLiveness::Alive, engine_stopped: false };
+const GOOD: Signals =
+    Signals { state: WorkerState::Fresh, engine: EngineLiveness::Alive, engine_stopped: false, heard: true };
 
 fn with(state: WorkerState, engine: EngineLiveness) -> Signals {
-    Signals { state, engine, engine_stopped: false }
+    Signals { state, engine, engine_stopped: false, heard: true }
 }
 
 #[test]
@@ -131,6 +132,30 @@ fn unreported_requests_are_forgotten_by_age_and_by_bound() {
     assert_eq!((t.tickets(), t.in_flight(w(0)), t.in_flight(w(1))), (1, 0, 1));
     assert_eq!(t.counters().forgotten, 4);
     assert_eq!(t.report(fifth, Outcome::Done, t0), Ok(w(1)));
+}
+
+#[test]
+fn a_worker_not_yet_heard_of_waits_without_a_verdict() {
+    let mut t = Tracker::new(TrackerConfig::default());
+    let now = Instant::now();
+    // Listed by its relay's Status before the stream said anything of it: stale by the rule
+    // (never seen), but that is no news of its engine.
+    let unheard = Signals { heard: false, ..with(WorkerState::Stale, EngineLiveness::Unknown) };
+    assert_eq!(unheard.cause(), Some(Cause::NotYetHeard));
+    assert_eq!(t.gate(w(0), &unheard, now), Gate::Out(Cause::NotYetHeard));
+    let s = t.state(w(0));
+    assert_eq!((s.routing, s.cause.map(Cause::as_str), s.outs), ("out", Some("not_yet_heard"), 0));
+    assert_eq!(t.breaker(w(0)), Breaker::Closed);
+    // Its first heartbeat: routable at once, no probe owed, no out counted.
+    assert_eq!(t.gate(w(0), &GOOD, now), Gate::Route);
+    assert_eq!((t.state(w(0)).routing, t.counters().outs, t.counters().probes), ("routable", 0, 0));
+    // Heard of once and silent since: that is a stall, and it takes the worker out.
+    assert_eq!(t.gate(w(0), &with(WorkerState::Stale, EngineLiveness::Alive), now), Gate::Out(Cause::StreamSilent));
+    assert_eq!(t.counters().outs, 1);
+    // A worker out for a cause keeps it while its stream says nothing, and owes its probe.
+    assert_eq!(t.gate(w(0), &unheard, now), Gate::Out(Cause::NotYetHeard));
+    assert_eq!(t.breaker(w(0)), Breaker::Open { cause: Cause::StreamSilent, since: now });
+    assert_eq!(t.gate(w(0), &GOOD, now), Gate::Probe);
 }
 
 #[test]
