@@ -2,7 +2,8 @@
 # The project's test command (the README's second quick-start command; CI runs it via .ci/run).
 # Everything it needs comes from crates.io (libzmq and protoc are built or vendored by crates);
 # scripts/check-systemd.sh installs systemd-analyze with apt-get when it is missing, and
-# scripts/package.sh cargo-deb (cargo install --locked) and dpkg-dev (apt-get).
+# scripts/package.sh cargo-deb (cargo install --locked) and dpkg-dev (apt-get), and
+# scripts/python.sh maturin and pytest (pip, into a virtual environment it makes).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -44,6 +45,11 @@ timeout -k 30 1200 cargo test --workspace --locked || {
   [ "$rc" -eq 124 ] && echo "tests did not finish within 20 minutes: a test hangs (see the 'running for over 60 seconds' lines)" >&2
   exit "$rc"
 }
+
+step "the Python wheel (maturin and pytest from the Python registry, in target/python-venv)"
+# Builds the wheel, installs it into a fresh virtual environment, and runs its tests against
+# the mock engine, kv-relay and kv-router binaries of the build step.
+./scripts/python.sh
 
 step "benchmarks, quick mode (debug build; figures here are not the documented ones)"
 KV_RELAY_BENCH_QUICK=1 cargo test --locked -p kv-relay --bench store --bench decode

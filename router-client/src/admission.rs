@@ -79,7 +79,7 @@ pub enum ClientEvent {
 
 /// Counters of one relay's stream. Summed over relays (and kept for removed ones) in the
 /// follower's metrics.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RelayCounters {
     /// Records (batches and controls) applied.
     pub records_applied: u64,

@@ -123,7 +123,7 @@ pub fn parse_relays_file(text: &str) -> Result<Vec<String>, String> {
 }
 
 /// Discovery's counters (exported by the example router as `kv_router_discovery_*`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct DiscoveryCounters {
     /// Resolutions that failed (NXDOMAIN, resolver errors); nothing was removed for them.
     pub dns_errors: u64,

@@ -8,6 +8,8 @@
 //!   `round_robin`, `least_load`, `random`), pure functions of the workers' views.
 //! - [`liveness`]: each worker's circuit breaker ([`Tracker`]), driven by what the relay reports
 //!   of the engine, the relay's stream and the router's own requests; pure.
+//! - [`engine`]: an engine's block-hash settings as JSON ([`HashSettings`]), resolved to its
+//!   hash function.
 //! - [`router`]: [`Router`]: the follower, the tracker and the policy: `route` and `report`.
 //! - [`http`]: the HTTP API (`POST /match`, `POST /route`, `POST /route/report`,
 //!   `GET /workers`, `GET /metrics`); feature `server`.
@@ -19,6 +21,7 @@
 
 #[cfg(feature = "server")]
 pub mod cli;
+pub mod engine;
 #[cfg(feature = "server")]
 pub mod front;
 #[cfg(feature = "server")]
@@ -29,6 +32,7 @@ pub mod router;
 #[cfg(feature = "server")]
 pub mod tokenize;
 
+pub use engine::{HashSettings, LoraSettings};
 pub use liveness::{Cause, Gate, Outcome, ReportError, RoutingState, Signals, Tracker, TrackerConfig};
 pub use policy::{CacheAware, CacheAwareConfig, Candidate, Choice, Overload, Policy, PolicyKind, Reason, RouteInput};
 pub use router::{Reported, RouteError, Routed, RoutedWorker, Router, RouterConfig, RouterCounters, Tokens};
