@@ -65,6 +65,8 @@ cargo test --locked -p kv-router --bench fleet -- --quick
 cargo test --locked -p kv-router --bench match -- --quick
 # A routing decision (Router::route + report) against Follower::matches, /route over HTTP, misses.
 cargo test --locked -p kv-router --bench route -- --quick
+# What the front adds to a request (2k-token prompts, direct against through it): seconds.
+cargo test --locked -p kv-router --bench front -- --quick
 # Routing quality on a simulated fleet (Mooncake, 4 engines with the cost model): ~15 s.
 cargo test --locked -p kv-router --bench serve -- --quick
 

@@ -22,6 +22,8 @@
 //! operator sets them for these engines: `--prefill-us-per-block` (10,240: 512 tokens x 20 us),
 //! `--queue-us-per-request` (20,000).
 
+mod engines;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -30,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use kv_relay_proto::hash::{EngineHashConfig, VllmHashAlgo};
 use kv_relay_testkit::client::start_engine_on_free_ports;
-use kv_relay_testkit::daemon::{start_relay, Daemon};
+use kv_relay_testkit::daemon::Daemon;
 use kv_relay_testkit::engine::{EngineConfig, MockEngine};
 use kv_relay_testkit::face::CostModel;
 use kv_relay_testkit::metrics::dechunk;
@@ -39,7 +41,6 @@ use kv_relay_testkit::wire::{Engine, WireVersion};
 use kv_router::front::{FrontConfig, MATCHED_HEADER, WORKER_HEADER};
 use kv_router::policy::PolicyKind;
 use kv_router::{http, Router, RouterConfig};
-use kv_router_client::{FollowConfig, Follower, WorkerState};
 
 /// Tokens per Mooncake block (its traces' `hash_ids` are 512-token blocks).
 const BLOCK: usize = 512;
@@ -205,12 +206,8 @@ fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, poli
             e
         })
         .collect();
-    let relays: Vec<Daemon> = engines.iter().map(|e| rt.block_on(start_relay(e, &[]))).collect();
+    let (relays, follower) = engines::follow(rt, &engines);
     let _in_rt = rt.enter();
-    let follower = Follower::new(FollowConfig { start_jitter: Duration::ZERO, ..FollowConfig::default() });
-    for r in &relays {
-        follower.add_relay(&r.url).expect("relay URL");
-    }
     let mut cfg = RouterConfig { policy, ..RouterConfig::default() };
     cfg.cache_aware.prefill_us_per_block = o.prefill_us_per_block;
     cfg.cache_aware.queue_us_per_request = o.queue_us_per_request;
@@ -222,18 +219,7 @@ fn fleet(rt: &tokio::runtime::Runtime, workers: usize, cache_blocks: usize, poli
     rt.spawn(http::serve_with(listener, router.clone(), cfg, async {
         let _ = stopped.await;
     }));
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let w = router.workers();
-        let ready = |w: &kv_router::RoutedWorker| {
-            w.routing.routing == "routable" && w.worker.state == WorkerState::Fresh && w.worker.engine_url.is_some()
-        };
-        if w.len() == workers && w.iter().all(ready) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the fleet never became routable");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    engines::wait_routable(&router, workers, Duration::from_secs(60));
     Fleet { engines, relays, router, front, stop: Some(stop) }
 }
 
