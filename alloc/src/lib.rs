@@ -12,8 +12,8 @@
 //! ```
 //!
 //! **When they are set.** mimalloc reserves its first arena with the first allocation, so an
-//! option of arenas set in `main` comes too late for the memory the process lives in: set from
-//! `main`, the relay idled at 53.8 MiB; set here, at 12.2 MiB (2026-12-03).
+//! option of arenas set in `main` comes too late for the memory the process lives in (an idle
+//! relay then holds several times the memory; docs/benchmarks.md, the relay's defaults).
 //! On Linux this crate sets them as defaults from a constructor that runs before mimalloc's own
 //! (`.init_array` with priority 100; mimalloc's runs at 101 or later), so `MIMALLOC_PURGE_DELAY`
 //! and `MIMALLOC_ARENA_EAGER_COMMIT` in the environment still override them. Elsewhere [`tuned`]

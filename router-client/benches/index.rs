@@ -724,7 +724,7 @@ type Runner<'a> = (&'static str, bool, Box<dyn Fn(&Workload, Option<f64>) -> Row
 /// hardware thread of ours, for some runs and not others. A writer whose work is in cache then
 /// slows by up to a third (the same binary, 7M against 11M block ops/s here), and the peers do
 /// not all slow alike, so the runs where both parts read an undisturbed core are also compared
-/// on their own (`docs/benchmarks.md`, eleventh measurement).
+/// on their own.
 #[derive(Clone, Copy)]
 struct Cores {
     alone: f64,

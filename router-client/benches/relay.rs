@@ -1,11 +1,11 @@
 //! The relay end to end: sustained ingest, added latency, footprint, resync and recovery, printed
-//! as one markdown table with issue 28's goals and a same-run peer where one exists.
+//! as one markdown table with the relay's goals and a same-run peer where one exists.
 //!
 //! Two engine sides. The drills' mock engine (vLLM 0.32 wire, 2 DP ranks, replay sockets)
 //! publishes a realistic mix: the Mooncake conversation trace served by each rank's prefix-cache
 //! simulator (stores of the uncached suffix, one removal per evicted block once the cache is
 //! full), about 40 block operations a batch and at most about 6,500 batches a second. For the
-//! rates issue 28 asks of ingest, a [`Cycle`] of payloads encoded once with the test kit's wire
+//! rates the relay's ingest goals name, a [`Cycle`] of payloads encoded once with the test kit's wire
 //! encoder goes out through the same mock engine (its seq, PUB socket and replay buffer; not its
 //! truth), in two shapes ([`Shape`]): a prefill-heavy vLLM step and SGLang with page size 1. What
 //! that publisher offers with nobody relaying is measured first (the peer of those rows).
@@ -25,7 +25,7 @@
 //! `target/debug/kv-relay` in quick mode), `KV_RELAY_BENCH_DIR` (where state directories go),
 //! `KV_RELAY_BENCH_RUNS` (repetitions of each latency window and resync, default 3),
 //! `KV_RELAY_BENCH_WINDOW_MS` (one latency window, default 5,000; longer to profile the relay),
-//! `KV_RELAY_BENCH_RATES` (the latency windows' batches/s, comma-separated, instead of issue 28's
+//! `KV_RELAY_BENCH_RATES` (the latency windows' batches/s, comma-separated, instead of the goals'
 //! and the searched ones),
 //! `KV_RELAY_BENCH_SHAPE` (`prefill` or `page1`: one shape's rows only) and `KV_RELAY_BENCH_SUBS`
 //! (`1` or `8`: those rows only), to look at one shape row,
@@ -35,7 +35,7 @@
 //! what the pre-encoded publisher offers alone; `shapes` that and the ingest search on both
 //! shapes; `latency`; `footprint` the catch-up, the fill to a million live blocks, RSS, bytes on
 //! disk, snapshot resync and the commit pause; `recovery` the fill and restarts after SIGKILL and
-//! SIGTERM; `floor` the relay beside the transport alone, at issue 28's light-load rates).
+//! SIGTERM; `floor` the relay beside the transport alone, at the goals' light-load rates).
 //!
 //! The transport alone (`relay/forwarder.rs`, the `floor` part's peer) is this binary run again
 //! as a process of its own: the relay's reading, decoding, normalizing, encoding and serving of
@@ -85,7 +85,7 @@ struct Opts {
     /// Batches per second offered in the latency measurement.
     latency_rate: f64,
     latency_window: Duration,
-    /// The latency windows' rates instead of issue 28's and the searched ones (no search).
+    /// The latency windows' rates instead of the goals' and the searched ones (no search).
     rates: Option<Vec<f64>>,
     /// Only this shape's rows (`KV_RELAY_BENCH_SHAPE`).
     shape: Option<String>,
@@ -338,7 +338,7 @@ impl Drop for Publisher {
 // ---------------------------------------------------------------------------------------------
 // Pre-encoded cycles: the engine side that offers millions of block operations a second.
 
-/// The batch shapes of issue 28's ingest rows.
+/// The batch shapes of the ingest goals' rows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Shape {
     /// A prefill-heavy vLLM step (0.32 wire): one `BlockStored` of 64-128 blocks of 16 token ids
@@ -1339,7 +1339,7 @@ fn main() {
     table.print();
 }
 
-/// The results as one markdown table: each measure with its same-run peer and issue 28's goal.
+/// The results as one markdown table: each measure with its same-run peer and its goal.
 #[derive(Default)]
 struct Table(Vec<[String; 4]>);
 
@@ -1349,7 +1349,7 @@ impl Table {
     }
 
     fn print(&self) {
-        println!("| measure | this run | same-run peer | goal (issue 28) |");
+        println!("| measure | this run | same-run peer | goal |");
         println!("|---|---|---|---|");
         for r in &self.0 {
             let cell = |s: &str| if s.is_empty() { "-".to_string() } else { s.replace('|', "/") };

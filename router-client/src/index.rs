@@ -181,8 +181,7 @@ impl MemoryBreakdown {
 /// on it), which on x86 waits until the writer's pending stores have left for the cache. The
 /// writer's stores to lines a lookup has just read wait for those lines, so each release held
 /// the writer until the block's misses were over. This one releases with a plain store and the
-/// next block's work overlaps them (about 12% more block operations per second at 8 workers
-/// with lookups beside the writer, `docs/benchmarks.md`, twelfth measurement). Writers rarely
+/// next block's work overlaps them, which is what a writer beside lookups is bound by. Writers rarely
 /// meet on one shard; one that does yields until the holder, who never sleeps or waits under
 /// it, is done. A panic under it releases it on unwinding, as std's does (nothing here reads
 /// the poison flag either).

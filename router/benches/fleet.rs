@@ -1,4 +1,4 @@
-//! A router following a fleet of relays: issue 30's goals, measured by hand, and a fleet that a
+//! A router following a fleet of relays: the fleet goals, measured by hand, and a fleet that a
 //! `kv-router` can be pointed at.
 //!
 //! The fleet is the test kit's (`kv_relay_testkit::fleet`): every relay is the relay's own server

@@ -1,4 +1,4 @@
-//! The end-to-end fault drills (issue 8): a mock engine with several DP ranks and steady
+//! The end-to-end fault drills: a mock engine with several DP ranks and steady
 //! generated traffic, `kv-relay` as a separate process, and routers following it; each drill
 //! injects one fault, measures the recovery, and checks its pass rule. "Equal" means a
 //! router's index equals the mock engine's truth for every worker (relay, DP rank), block for
@@ -83,7 +83,7 @@ pub struct Scale {
 /// A drill: runs at a scale, reports.
 pub type Drill = fn(Scale) -> Report;
 
-/// Every drill by name, in the issue's order.
+/// Every drill by name, in the order docs/drills.md lists them.
 pub const DRILLS: &[(&str, Drill)] = &[
     ("router_restart", router_restart),
     ("stale_cursor", stale_cursor),

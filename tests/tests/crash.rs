@@ -1,4 +1,4 @@
-//! Crash safety (issue 4): `kv-relay` as a separate process, killed with SIGKILL at seeded random
+//! Crash safety: `kv-relay` as a separate process, killed with SIGKILL at seeded random
 //! points while it ingests steady traffic from a mock engine, restarted each time on the same
 //! state directory. After every restart:
 //!

@@ -1,4 +1,4 @@
-//! The fault drills of issue 8 in their short form (seconds each): every pass rule is an
+//! The fault drills in their short form (seconds each): every pass rule is an
 //! assertion. Needs the `kv-relay` binary: `cargo build -p kv-relay --bins` (or `KV_RELAY_BIN`).
 //! The long form, in release: `KV_RELAY_BIN=target/release/kv-relay cargo run --release -p
 //! kv-relay-testkit --bin drills -- --long` (docs/drills.md).

@@ -1,4 +1,4 @@
-//! The relay's ingest against the mock engine on loopback: every rule of issue 3, each test
+//! The relay's ingest against the mock engine on loopback: every rule of the ingest, each test
 //! named for what it proves. The relay side's output (the items it hands to the committer) is
 //! applied to `kv_relay::live::LiveBlocks` and compared with the mock engine's truth.
 

@@ -6,18 +6,15 @@
 //! its line arrives, and every locked instruction after it waits for it to complete (x86
 //! orders loads before locked instructions; `PREFETCHT0` is ordered with neither). A writer
 //! takes a shard's lock per block, so a block's loads could not overlap the previous block's
-//! work: each window of touched probes paid a whole miss. With hints issued eight blocks
-//! ahead, the 128-worker Mooncake bench's writer applied 16-23% more block operations per
-//! second in the same process (`docs/benchmarks.md`, Eighth measurement).
+//! work: each window of touched probes paid a whole miss. Hints issued eight blocks ahead let
+//! those misses overlap the work on the blocks before them.
 //!
 //! A writer asks for the lines it will write with a *write* hint (`PREFETCHW`), which fetches
 //! them owned: a line a lookup thread on another core has read is shared, and a store to it
 //! first has to take it from that core. With a read hint the writer held its line shared, and
 //! that upgrade was paid at the shard lock's locked instructions, which wait for every store
-//! before them. On an Intel Xeon (2 cores, 2 MiB L2 each) the 8-worker Mooncake bench's writer,
-//! which keeps the whole index in cache and races one lookup thread, applied about 30% more block
-//! operations per second with write hints than with read hints (`docs/benchmarks.md`, Tenth
-//! measurement).
+//! before them; owned, the line is the writer's when the lock is taken. This matters most when
+//! the whole index is in cache and a lookup thread reads the same lines.
 //!
 //! These are two of the crate's three `unsafe` blocks (the third is the lookups' read of the
 //! table set, `PrefixIndex::section_tables`). `_mm_prefetch` reads nothing the program can see

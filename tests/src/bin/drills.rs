@@ -1,4 +1,4 @@
-//! Runs the fault drills of issue 8 and prints each drill's rule, what it measured, and
+//! Runs the fault drills and prints each drill's rule, what it measured, and
 //! PASS / FAIL / SKIPPED. `--long` runs the soak rows at full length (engine gone 10 s, 64
 //! subscribers for 10 minutes, ...); `--only NAME` runs one drill (names: `--list`).
 //! Needs the `kv-relay` binary (`cargo build -p kv-relay --bins`, or `KV_RELAY_BIN`). Run `--long`

@@ -26,7 +26,7 @@ const BLOCK: usize = 4;
 const HASH: &str = r#"{"engine": "vllm", "version": "0.32", "algo": "sha256_cbor", "block_size": 4}"#;
 /// The relays' default wedge bound (`--engine-wedge-secs`).
 const WEDGE: Duration = Duration::from_secs(3);
-/// The issue's bound for a dead, cut-off or frozen worker to leave routing, and for a killed
+/// The bound for a dead, cut-off or frozen worker to leave routing, and for a killed
 /// one to come back.
 const OUT_WITHIN: Duration = Duration::from_millis(2500);
 
