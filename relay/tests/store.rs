@@ -921,25 +921,26 @@ fn kill_9_at_random_moments_keeps_the_store_consistent() {
 
 // ---------------------------------------------------------------- a full disk, a read-only disk
 
-/// A small tmpfs for the store (needs root and `mount`; the test says so and passes without).
+/// A small tmpfs for the store (needs root and `mount`: the tests that use it are ignored by
+/// default, and `scripts/test.sh` runs them when it runs as root).
 struct SmallDisk {
     dir: tempfile::TempDir,
 }
 
 impl SmallDisk {
-    fn mount(size: &str) -> Option<SmallDisk> {
-        let dir = tempfile::tempdir().ok()?;
-        let ok = std::process::Command::new("mount")
+    fn mount(size: &str) -> SmallDisk {
+        let dir = tempfile::tempdir().unwrap();
+        let out = std::process::Command::new("mount")
             .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
             .arg(dir.path())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if !ok {
-            eprintln!("skipped: cannot mount a tmpfs here (needs root)");
-            return None;
-        }
-        Some(SmallDisk { dir })
+            .output()
+            .expect("run mount");
+        assert!(
+            out.status.success(),
+            "cannot mount a tmpfs (this test needs root): {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        SmallDisk { dir }
     }
 
     /// Remounts with `opts`, trying again while the kernel answers busy: a store just dropped
@@ -1027,10 +1028,11 @@ fn disk_fill_child() {
 }
 
 #[test]
+#[ignore = "needs root (mounts a tmpfs); scripts/test.sh runs it as root"]
 fn a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing() {
     use std::io::{BufRead, Write};
     use std::time::{Duration, Instant};
-    let Some(disk) = SmallDisk::mount("6m") else { return };
+    let disk = SmallDisk::mount("6m");
     let path = disk.dir.path().join("state");
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
         .args(["disk_fill_child", "--exact", "--nocapture", "--test-threads", "1"])
@@ -1106,8 +1108,9 @@ fn a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing() {
 }
 
 #[test]
+#[ignore = "needs root (mounts a tmpfs); scripts/test.sh runs it as root"]
 fn a_read_only_state_directory_is_a_clear_error() {
-    let Some(disk) = SmallDisk::mount("16m") else { return };
+    let disk = SmallDisk::mount("16m");
     let path = disk.dir.path().join("state");
     drop(open(&path));
     disk.remount("ro");
