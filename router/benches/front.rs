@@ -22,6 +22,8 @@
 
 mod engines;
 
+use engines::header;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::path::Path;
@@ -92,13 +94,6 @@ fn post(addr: SocketAddr, path: &str, headers: &str, body: &str) -> (u16, String
         rest.to_string()
     };
     (status, head.to_string(), body, took)
-}
-
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {

@@ -24,6 +24,8 @@
 
 mod engines;
 
+use engines::header;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -170,13 +172,6 @@ fn stream(front: SocketAddr, body: &str) -> std::io::Result<(u16, String, Durati
     let chunked = head.to_ascii_lowercase().contains("transfer-encoding: chunked");
     let body = if chunked { dechunk(rest) } else { rest.to_string() };
     Ok((status, head.to_string(), ttft.unwrap_or_else(|| t0.elapsed()), body))
-}
-
-fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
-    head.lines().find_map(|l| {
-        let (k, v) = l.split_once(':')?;
-        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
-    })
 }
 
 /// The fleet of one run: engines with their relays, the router and its front.

@@ -1,5 +1,5 @@
-//! What the front benches share: relays beside mock engines, a follower of them, and the wait
-//! until the router can route to every worker.
+//! What the front benches share: relays beside mock engines, a follower of them, the wait
+//! until the router can route to every worker, and reading an answer's headers.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,4 +35,12 @@ pub fn wait_routable(router: &Router, workers: usize, within: Duration) {
         assert!(Instant::now() < deadline, "the fleet never became routable: {w:?}");
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// The value of header `name` (any case) in an HTTP answer's `head`.
+pub fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (k, v) = l.split_once(':')?;
+        k.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
 }
