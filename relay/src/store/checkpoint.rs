@@ -26,10 +26,10 @@
 
 use super::codec::{decode_named, encode_named, get_namespace, get_tier, put_namespace, put_tier, Reader};
 use super::error::StoreError;
-use super::live::Live;
+use super::live_set::LiveSet;
 use super::record::{get_u32, get_varint, put_varint};
 use super::snapshot::{Snapshot, SnapshotBlock};
-use super::RankCursor;
+use super::types::RankCursor;
 use crate::model::TokenLayout;
 use std::collections::BTreeMap;
 use std::io::Write;
@@ -187,7 +187,7 @@ pub(crate) fn encode_chunk(blocks: &[SnapshotBlock]) -> Result<Vec<u8>, String> 
 }
 
 /// Decodes a chunk into `live`; `None` when it is not a whole chunk of this layout.
-pub(crate) fn decode_chunk_into(bytes: &[u8], live: &mut Live) -> Option<u64> {
+pub(crate) fn decode_chunk_into(bytes: &[u8], live: &mut LiveSet) -> Option<u64> {
     let mut r = Reader::new(bytes);
     if r.u8()? != CHUNK_VERSION {
         return None;
@@ -284,7 +284,7 @@ pub(crate) fn write(
 
 /// The newest whole checkpoint in `folder` with a cursor at most `newest`, loaded; `None` when
 /// there is none. A checkpoint that is not whole is passed over, with a warning.
-pub(crate) fn load_newest(folder: &Path, newest: u64) -> Result<Option<(Manifest, Live)>, StoreError> {
+pub(crate) fn load_newest(folder: &Path, newest: u64) -> Result<Option<(Manifest, LiveSet)>, StoreError> {
     let ids = match list(folder) {
         Ok((ids, _)) => ids,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -303,7 +303,7 @@ pub(crate) fn load_newest(folder: &Path, newest: u64) -> Result<Option<(Manifest
 }
 
 /// Checkpoint file `path` checked and loaded into a live set; `Ok(Err(why))` when it is not whole.
-fn load(path: &Path, id: u64, newest: u64) -> std::io::Result<Result<(Manifest, Live), String>> {
+fn load(path: &Path, id: u64, newest: u64) -> std::io::Result<Result<(Manifest, LiveSet), String>> {
     use std::io::{Read, Seek, SeekFrom};
     let mut f = std::fs::File::open(path)?;
     let len = f.metadata()?.len();
@@ -334,7 +334,7 @@ fn load(path: &Path, id: u64, newest: u64) -> std::io::Result<Result<(Manifest, 
     if &magic != MAGIC {
         return Ok(Err("not a checkpoint file (bad magic)".into()));
     }
-    let mut live = Live::default();
+    let mut live = LiveSet::default();
     live.cursor = m.cursor;
     let (mut blocks, mut chunk) = (0u64, Vec::new());
     for (n, crc) in m.crcs.iter().enumerate() {
@@ -391,15 +391,15 @@ mod tests {
             mk(2, Tier::Host, 8, None, vec![0; 16]),
         ];
         let bytes = encode_chunk(&blocks).unwrap();
-        let mut live = Live::default();
+        let mut live = LiveSet::default();
         assert_eq!(decode_chunk_into(&bytes, &mut live), Some(4));
-        let (id, n) = live.open_journal(&super::super::SnapshotFilter::all());
+        let (id, n) = live.open_journal(&crate::store::SnapshotFilter::all());
         let mut back = Vec::new();
         assert!(live.copy(id, usize::MAX, &mut back));
         assert_eq!(n, 4);
         assert_eq!(back, blocks);
         for cut in 0..bytes.len() {
-            assert_eq!(decode_chunk_into(&bytes[..cut], &mut Live::default()), None, "cut at {cut}");
+            assert_eq!(decode_chunk_into(&bytes[..cut], &mut LiveSet::default()), None, "cut at {cut}");
         }
         let m = Manifest {
             id: 3,
@@ -417,7 +417,7 @@ mod tests {
                         last_seq: None,
                         last_ts: None,
                         last_cursor: 4,
-                        health: super::super::RankHealth::Degraded { reason: "gap".into() },
+                        health: crate::store::RankHealth::Degraded { reason: "gap".into() },
                     },
                 ),
             ]),

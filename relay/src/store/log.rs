@@ -38,7 +38,7 @@
 
 use super::codec::Counters;
 use super::error::{count, StoreError};
-use super::{HistoryLimits, RankCursor};
+use super::types::{HistoryLimits, RankCursor};
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;

@@ -1,6 +1,6 @@
 //! Consistent snapshots of the live blocks, read from memory in chunks.
 //!
-//! [`super::Store::snapshot`] registers a journal with the live set (`live.rs`) under its lock:
+//! [`super::Store::snapshot`] registers a journal with the live set (`live_set.rs`) under its lock:
 //! the snapshot's cursor and the tables it selects. That registration is the only pause commits
 //! see ([`Snapshot::pause`]). Each chunk the reader asks for is then copied a few shards at a time
 //! under the same lock, with the blocks the commits changed meanwhile put back as they were at the
@@ -8,7 +8,7 @@
 //! the end or not) closes its journal.
 
 use super::error::StoreError;
-use super::live::Live;
+use super::live_set::LiveSet;
 use crate::model::{Namespace, Tier, TokenLayout};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -95,7 +95,7 @@ pub struct Snapshot {
     pub chunk_blocks: usize,
     /// Removals of absent blocks and stores of held ones up to the cursor (for checkpoints).
     pub(crate) counts: (u64, u64),
-    pub(crate) live: Arc<Mutex<Live>>,
+    pub(crate) live: Arc<Mutex<LiveSet>>,
     pub(crate) journal: u64,
     pub(crate) copied: VecDeque<SnapshotBlock>,
     pub(crate) done: bool,
@@ -115,7 +115,7 @@ impl std::fmt::Debug for Snapshot {
 
 impl Snapshot {
     /// Registers a snapshot of what `filter` selects in `live`, at its cursor.
-    pub(crate) fn open(live: &Arc<Mutex<Live>>, filter: &SnapshotFilter, epoch: u64, incarnation: u32) -> Snapshot {
+    pub(crate) fn open(live: &Arc<Mutex<LiveSet>>, filter: &SnapshotFilter, epoch: u64, incarnation: u32) -> Snapshot {
         let started = std::time::Instant::now();
         let mut l = live.lock().unwrap_or_else(|p| p.into_inner());
         let (journal, blocks) = l.open_journal(filter);

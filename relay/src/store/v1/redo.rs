@@ -9,7 +9,7 @@
 //! 0 for a removal; then the CRC-32 of all that, all big-endian. Written to a temporary file,
 //! synced, then renamed over; applied whole and in order, made durable, then removed.
 
-use super::error::StoreError;
+use crate::store::error::StoreError;
 use std::path::Path;
 
 /// The redo file, in the state directory.

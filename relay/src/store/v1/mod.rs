@@ -8,7 +8,7 @@
 //! 1's), the live set in memory and on disk as checkpoints with the ranks' positions
 //! (`checkpoint.rs`), and in sled only the store's format, epoch and incarnations.
 //!
-//! [`upgrade_v1`] converts a format-1 store on its first open by a format-2 build (after the
+//! [`upgrade`] converts a format-1 store on its first open by a format-2 build (after the
 //! redo a failed format-1 write may have left is applied): the history is written as the log,
 //! the live blocks under each rank's current generations become checkpoint 1 at the newest
 //! cursor with the rank rows' positions, both are synced, and only then is the format set to 2
@@ -17,20 +17,19 @@
 //! keys are dead and the open clears them. Epoch, incarnations, history and rank positions are
 //! kept.
 
+pub(crate) mod record;
+pub(crate) mod redo;
+
 use super::codec::{self, get_namespace, get_tier, Reader};
 use super::error::StoreError;
-use super::live::Live;
+use super::live_set::LiveSet;
 use super::snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
-use super::RankCursor;
-use super::{checkpoint, log};
+use super::types::RankCursor;
+use super::{checkpoint, log, FORMAT_VERSION};
 use crate::model::{Tier, TokenLayout};
 use serde::Deserialize;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
-
-/// The on-disk format this build writes and reads; format 1 is upgraded on open, any other is
-/// refused.
-pub const FORMAT_VERSION: u32 = 2;
 
 const V1_COUNTERS: u8 = b'c';
 const V1_LIVE: u8 = b'l';
@@ -82,7 +81,7 @@ fn decode_live_value(v: &[u8], b: &mut SnapshotBlock) -> Option<()> {
 }
 
 /// Converts the format-1 store in `data` to format 2 (see the module docs).
-pub(crate) fn upgrade_v1(
+pub(crate) fn upgrade(
     dir: &Path,
     db: &sled::Db,
     meta: &sled::Tree,
@@ -108,7 +107,7 @@ pub(crate) fn upgrade_v1(
         let rank = rank.ok_or_else(|| bad("format-1 rank row", format!("key {k:02x?}")))?;
         rows.insert(rank, codec::decode_named::<RankRowV1>(&v).map_err(|d| bad("format-1 rank row", d))?);
     }
-    let mut live = Live::default();
+    let mut live = LiveSet::default();
     (live.cursor, live.removed_not_live, live.stored_already_live) = (newest, removed_not_live, stored_already_live);
     let mut b = SnapshotBlock::default();
     let (mut kept, mut dead) = (0u64, 0u64);

@@ -453,7 +453,7 @@ impl Journal {
 
 /// The live set and the snapshots being copied from it: one lock guards both.
 #[derive(Debug, Default)]
-pub(crate) struct Live {
+pub(crate) struct LiveSet {
     pub tables: BTreeMap<TableKey, Table>,
     /// The cursor of the last record applied.
     pub cursor: u64,
@@ -465,7 +465,7 @@ pub(crate) struct Live {
     next_journal: u64,
 }
 
-impl Live {
+impl LiveSet {
     /// Applies the record at `cursor` (the next one).
     pub(crate) fn apply(&mut self, cursor: u64, body: &RecordBody) {
         match body {
@@ -559,7 +559,7 @@ impl Live {
         table.ns.gc(ns);
     }
 
-    /// Registers a snapshot of what `filter` selects, at [`Live::cursor`]; returns its id and
+    /// Registers a snapshot of what `filter` selects, at [`LiveSet::cursor`]; returns its id and
     /// the blocks it will hold.
     pub(crate) fn open_journal(&mut self, filter: &SnapshotFilter) -> (u64, u64) {
         let tables: Vec<TableKey> = self
@@ -645,7 +645,7 @@ mod tests {
         })
     }
 
-    fn apply(live: &mut Live, events: Vec<Event>) {
+    fn apply(live: &mut LiveSet, events: Vec<Event>) {
         let c = live.cursor + 1;
         live.apply(
             c,
@@ -653,7 +653,7 @@ mod tests {
         );
     }
 
-    fn all(live: &mut Live, tokens: bool) -> Vec<SnapshotBlock> {
+    fn all(live: &mut LiveSet, tokens: bool) -> Vec<SnapshotBlock> {
         let (id, blocks) = live.open_journal(&SnapshotFilter { include_token_ids: tokens, ..SnapshotFilter::all() });
         let mut out = Vec::new();
         assert!(live.copy(id, usize::MAX, &mut out));
@@ -664,7 +664,7 @@ mod tests {
 
     #[test]
     fn slots_and_namespaces_are_reused_and_freed() {
-        let mut live = Live::default();
+        let mut live = LiveSet::default();
         apply(&mut live, vec![stored(&[1, 2, 3], Some("a"), 4)]);
         apply(&mut live, vec![stored(&[2], Some("b"), 2)]);
         let t = &live.tables[&TableKey { dp_rank: 0, tier: Tier::Device, group: 0 }];
@@ -703,7 +703,7 @@ mod tests {
 
     #[test]
     fn a_snapshot_copied_in_steps_is_the_state_at_its_cursor() {
-        let mut live = Live::default();
+        let mut live = LiveSet::default();
         // Hashes spread over every shard.
         let hashes: Vec<u64> = (0..2000u64).map(|i| i.wrapping_mul(0x9e37_79b9_7f4a_7c15)).collect();
         apply(&mut live, vec![stored(&hashes, None, 3)]);
