@@ -4,6 +4,8 @@
 # scripts/check-systemd.sh installs systemd-analyze with apt-get when it is missing, and
 # scripts/package.sh cargo-deb (cargo install --locked) and dpkg-dev (apt-get), and
 # scripts/python.sh maturin and pytest (pip, into a virtual environment it makes).
+# The declared MSRV (rust-version in Cargo.toml) is checked by the lint step: clippy's
+# incompatible_msrv fails on any std item newer than it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -36,6 +38,14 @@ disk
 
 step "lint"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "docs (rustdoc, warnings denied: every intra-doc link resolves)"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked
+
+step "the fuzz targets compile (relay/fuzz, outside the workspace)"
+# Its lock file keeps the workspace's versions, so the dependencies checked by the lint step
+# are reused from target/.
+cargo check --manifest-path relay/fuzz/Cargo.toml --target-dir target --locked
 
 step "tests"
 # A hung test fails the run with a message instead of holding CI until its own timeout

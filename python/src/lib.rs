@@ -2,7 +2,7 @@
 //! [`kv_router::Router`]. The Python package (`python/kv_router_client`) re-exports it; its
 //! stubs (`_native.pyi`) are the API's reference.
 //!
-//! One tokio runtime lives in the extension, made at the first [`Follower`]: the relays'
+//! One tokio runtime lives in the extension, made at the first `Follower`: the relays'
 //! streams run on its threads (`KV_ROUTER_CLIENT_THREADS`, 2 by default), never on Python's.
 //! Every call releases the GIL while it works in Rust. Lookups read the index and the workers'
 //! views without waiting for the streams; only the answer's Python objects are built with the

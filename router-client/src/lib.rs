@@ -15,7 +15,7 @@
 //!   an address missing from DNS is dropped).
 //! - [`admission`]: the admission rules, pure: exactly-once cursor order per relay, rank
 //!   resets, flags, staged snapshots swapped in atomically.
-//! - [`matches`]: a match's answer ([`Matches`]) read from each relay's published view of its
+//! - [`mod@matches`]: a match's answer ([`Matches`]) read from each relay's published view of its
 //!   workers, and the options that list fewer workers ([`MatchOptions`]).
 //! - [`worker`]: what a router is told about a worker: load, freshness, state.
 //! - [`backoff`]: jittered exponential backoff.

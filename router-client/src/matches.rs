@@ -1,6 +1,6 @@
 //! A match's answer, built for its cost to be what the answer holds.
 //!
-//! Each relay's task publishes a [`RelayView`] of its workers (rank, id, load, last heard of,
+//! Each relay's task publishes a `RelayView` of its workers (rank, id, load, last heard of,
 //! flags) after every change it applies, under the relay's admission lock; a match reads the
 //! views without taking any relay's lock, computes each worker's state from them, and pairs
 //! the workers with the index's [`LookupResult`] by binary search. [`Matches`] keeps the views,

@@ -24,7 +24,7 @@
 //!   and counted as a gap.
 //! * **Message bound.** Both sockets take messages up to `max_message_bytes`. libzmq drops the
 //!   connection of a peer that sends a larger one and does not connect it again, so each socket
-//!   is watched ([`Watched`]): a dropped SUB is read out and replaced, and a replay whose
+//!   is watched (`Watched`): a dropped SUB is read out and replaced, and a replay whose
 //!   connection drops keeps what came before the refused batch and asks again past it. The
 //!   refused batch alone is lost.
 //! * **Backpressure.** Items go to the rank's [`Sink`], which commits them on this thread: what
@@ -126,9 +126,9 @@ pub struct RankStatus {
     /// Events dropped, by reason (`crate::drops`), since the relay started.
     pub dropped: Tally,
     pub tail_probes: u64,
-    /// Times the replay connection dropped while sending a batch (see [`Rank::replay`]).
+    /// Times the replay connection dropped while sending a batch (see `Rank::replay`).
     pub replay_cuts: u64,
-    /// Times the SUB's connection to the engine dropped (see [`Rank::on_drop`]).
+    /// Times the SUB's connection to the engine dropped (see `Rank::on_drop`).
     pub disconnects: u64,
     /// What the hash check found so far; `None` when the check is off.
     pub hash_check: Option<CheckCounts>,

@@ -140,7 +140,7 @@ impl Store {
     }
 
     /// Makes every commit so far durable (a background thread otherwise does it every
-    /// [`SYNC_EVERY`]). Commits go on meanwhile. A failed sync fails the store: nothing more is
+    /// `log::SYNC_EVERY`). Commits go on meanwhile. A failed sync fails the store: nothing more is
     /// written until it is reopened (see `log.rs`, "A failed write").
     pub fn flush(&self) -> Result<(), StoreError> {
         self.inner.shared.sync_log("flush")

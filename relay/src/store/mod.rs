@@ -22,7 +22,7 @@
 //!   memory, errors.
 //!
 //! # Commit
-//! Commits are serialized by one lock ([`log::Writer`]). [`Store::commit_many`] encodes its
+//! Commits are serialized by one lock (`log::Writer`). [`Store::commit_many`] encodes its
 //! records into one frame and appends it to the log's active segment with one `write`: nothing is
 //! written per block, and no other file is written. Only once the write returned are the records
 //! applied to the live set in memory (under its own lock, taken inside the commit lock), then
@@ -43,7 +43,7 @@
 //! loses no commit (each frame is in the kernel once its write returned), but a power loss can
 //! lose what was not synced yet (at most [`log::SYNC_EVERY`], or since the last
 //! [`Store::flush`]): the next open cuts the log after its last whole frame, and the next
-//! incarnation commits *different* records under the cursors lost. Each [`Record`] says which
+//! incarnation commits *different* records under the cursors lost. Each [`Record`](crate::model::Record) says which
 //! incarnation committed it; [`Store::cursor_matches`] tells a subscriber whether the cursor it
 //! holds is still the record it saw. The steps of an open are in `open.rs`; see
 //! `docs/architecture.md`.

@@ -30,7 +30,7 @@ use tokio::sync::watch;
 
 impl Store {
     /// Opens the store in `cfg.dir`, creating it (with a new epoch) when there is none. A
-    /// format-1 store is upgraded ([`super::v1`]); one of a newer format is refused; one that
+    /// format-1 store is upgraded (`store::v1`); one of a newer format is refused; one that
     /// sled cannot read, or without its meta data, is moved aside and a new one (new epoch) is
     /// made. Every open is a new incarnation.
     pub fn open(cfg: StoreConfig) -> Result<Store, StoreError> {

@@ -52,7 +52,7 @@ impl Store {
     }
 
     /// [`Store::history`] from memory, without blocking: `None` when some of the records asked
-    /// for are older than the tail kept in memory ([`StoreConfig::recent`]).
+    /// for are older than the tail kept in memory ([`StoreConfig::recent`](super::StoreConfig::recent)).
     pub fn recent(&self, after: u64, limit: usize) -> Option<Vec<Arc<Committed>>> {
         self.inner.recent.read().unwrap_or_else(|p| p.into_inner()).after(after, limit)
     }
