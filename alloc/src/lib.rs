@@ -19,11 +19,11 @@
 //! and `MIMALLOC_ARENA_EAGER_COMMIT` in the environment still override them. Elsewhere [`tuned`]
 //! sets them, late.
 //!
-//! Why (docs/benchmarks.md): glibc's malloc and free were a third of the relay's CPU at
-//! 1,000-2,000 batches a second. With mimalloc's defaults (freed memory purged after 1 s, arenas
-//! committed whole) the relay held 344 MiB at a million live blocks and 58 MiB idle; set so, 210
-//! and 14 MiB (glibc with its tuned settings: 228 and 12). `kv-router` keeps glibc's malloc: with
-//! this allocator it held 808 MiB following 1,000 relays of 10,000 blocks, against 709.
+//! Why: the relay allocates and frees per event, and mimalloc costs it less CPU than glibc's
+//! malloc at engine rates. mimalloc's own defaults (freed memory purged late, arenas committed
+//! whole) hold memory the relay no longer uses, so the relay sets shorter ones. `kv-router`
+//! keeps glibc's malloc, which holds less following a large fleet. The figures behind each
+//! choice are in docs/benchmarks.md (the relay's defaults, a router following a fleet).
 
 pub use mimalloc::MiMalloc as Allocator;
 

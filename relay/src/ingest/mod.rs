@@ -63,9 +63,9 @@ impl Sink for mpsc::Sender<IngestItem> {
 /// The default bound on one engine message: far above any batch an engine sends (a step that
 /// stores 128k new tokens, with their token ids, is under 1 MiB; engines' chunked prefill
 /// keeps steps to a few thousand tokens), and it keeps one message from a faulty peer from
-/// taking the relay's memory. A batch the relay takes costs it far more than its size while it
-/// is committed (about 4.7 KB per block, most of it sled's copies of the nodes one write
-/// touches: `docs/benchmarks.md`), so the bound is not set higher than real batches need.
+/// taking the relay's memory. A batch costs the relay more than its size while it is decoded
+/// and committed (the model's structs, the log's frame, the live set's entries), so the bound
+/// is not set higher than real batches need.
 pub const DEFAULT_MAX_MESSAGE_BYTES: u64 = 16 << 20;
 
 /// The ingest's settings.

@@ -11,11 +11,9 @@
 //! and every chunk matching its CRC. An open takes the newest whole one, so a crash at any point
 //! of a checkpoint's write leaves the previous one and the log after it.
 //!
-//! Files, not sled: a checkpoint is a large value written once and read only at open. In sled,
-//! whose log keeps every value it writes until its segments are cleaned, checkpoint chunks
-//! rewritten every few thousand records took most of the store's memory and disk (the store
-//! benchmark at a million live blocks: 504 MiB RSS and 468 bytes on disk per block with chunks
-//! in sled).
+//! Files, not sled: a checkpoint is a large value written once and read only at open. sled's
+//! log keeps every value it writes until its segments are cleaned, so chunks rewritten every
+//! few thousand records would hold most of the store's memory and disk.
 //!
 //! File layout: the magic `KVRCKPT1`; per chunk its length (u32 LE) and its bytes; the manifest;
 //! its length (u32 LE); the magic `KVRCKEND`. Chunk layout (version byte 1, then the block count

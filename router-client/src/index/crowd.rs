@@ -29,7 +29,8 @@
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 use std::sync::OnceLock;
 
-use super::table::{self, Probe};
+use super::packed;
+use super::table::Probe;
 
 /// Live slots from which a key has a record (a key with this many spills out of its home
 /// group, so every change of it is crowded).
@@ -64,7 +65,7 @@ impl Crowd {
             all &= all - 1;
             for tag in 0..2 {
                 if self.workers[tag] >> w & 1 != 0 {
-                    f(table::holder(w, tag as u64, self.tier) | table::NO_ENTRY_BITS | 1);
+                    f(packed::holder(w, tag as u64, self.tier) | packed::NO_ENTRY_BITS | 1);
                 }
             }
         }
@@ -91,10 +92,10 @@ pub(super) struct Tally {
 
 impl Tally {
     pub fn add(&mut self, v: u64) {
-        let w = table::worker_of(v);
+        let w = packed::worker_of(v);
         self.wide |= w >= WIDE;
-        self.workers[table::tag_of(v) as usize] |= 1u128.checked_shl(w).unwrap_or(0);
-        self.tiers |= 1 << table::tier_of(v);
+        self.workers[packed::tag_of(v) as usize] |= 1u128.checked_shl(w).unwrap_or(0);
+        self.tiers |= 1 << packed::tier_of(v);
         self.slots += 1;
     }
 
@@ -217,7 +218,7 @@ mod tests {
     use super::*;
 
     fn slot(worker: u32, tag: u64, tier: u8) -> u64 {
-        table::holder(worker, tag, tier) | 1
+        packed::holder(worker, tag, tier) | 1
     }
 
     #[test]
@@ -228,8 +229,8 @@ mod tests {
         assert_eq!(c.workers, [1 << 1 | 1 << 33 | 1 << 65 | 1 << 97, 1 << 17 | 1 << 49 | 1 << 81 | 1 << 113]);
         assert_eq!(c.slots(), 8);
         let mut back = Vec::new();
-        c.for_each(|v| back.push(v & table::HOLDER));
-        assert_eq!(back, eight.iter().map(|v| v & table::HOLDER).collect::<Vec<_>>());
+        c.for_each(|v| back.push(v & packed::HOLDER));
+        assert_eq!(back, eight.iter().map(|v| v & packed::HOLDER).collect::<Vec<_>>());
         // Seven slots, a second tier, or a wide worker: no record.
         assert_eq!(Crowd::of(eight[..7].iter().copied()), None);
         assert_eq!(Crowd::of(eight.iter().copied().chain([slot(2, 0, 4)])), None);

@@ -2,8 +2,8 @@
 //! lookup that found a holder's entry for block `i` checks block `i + 1` by reading the next
 //! entry of the same page (contiguous memory) instead of probing the table.
 //!
-//! A *holder* is a packed `(worker, tag, tier)` (`table::holder`). Each of its live table slots
-//! names one *entry* (`page * PAGE + offset`, `table::entry_of`): the page position where its
+//! A *holder* is a packed `(worker, tag, tier)` (`packed::holder`). Each of its live table slots
+//! names one *entry* (`page * PAGE + offset`, `packed::entry_of`): the page position where its
 //! hash was written when the slot was created. An entry's bit in its page's `valid` word is set
 //! exactly while that slot is live, so
 //!
@@ -38,8 +38,8 @@ use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
 
 use super::grace::Grace;
+use super::packed;
 use super::prefetch::prefetch;
-use super::table;
 use super::Padded;
 
 /// Entries per page: one `valid` word covers a page.
@@ -47,7 +47,7 @@ pub(super) const PAGE: u32 = 64;
 /// Pages per chunk of the pool (a chunk is allocated whole, on first use).
 const CHUNK: usize = 512;
 /// Chunks in the directory: up to 2^26 entries (64M (holder, block) pairs, about a gigabyte
-/// of index), well within `table::ENTRY_BITS`. Beyond that, new slots get no entry: their
+/// of index), well within `packed::ENTRY_BITS`. Beyond that, new slots get no entry: their
 /// lookups probe block by block, exactly as before.
 const CHUNKS: usize = (1 << 26) / PAGE as usize / CHUNK;
 /// Stripes of the holder cursors (the holder locks).
@@ -250,7 +250,7 @@ impl Runs {
     /// holds the holder's lock and `from` is the entry of a live slot of the holder (so its page
     /// is the holder's). Nothing when either has no entry.
     pub fn link(&self, from: u32, to: u32) {
-        if from == table::NO_ENTRY || to > LINK_TARGET {
+        if from == packed::NO_ENTRY || to > LINK_TARGET {
             return;
         }
         if let Some(p) = self.page(from) {
@@ -286,7 +286,7 @@ impl Runs {
     pub fn append(&self, cursor: &mut Cursor, holder: u64, hash: u64, grace: &Grace) -> u32 {
         if cursor.used == PAGE {
             let Some(page) = self.alloc(holder, grace) else {
-                return table::NO_ENTRY;
+                return packed::NO_ENTRY;
             };
             if cursor.page != NO_PAGE {
                 self.free_if_empty(cursor.page, grace);

@@ -41,14 +41,12 @@
 //!   group with an `EMPTY` slot has count 0". Counts that fall when slots die are what let
 //!   groups return to 0.
 //!
-//! Dead slots used to wait for the shard's next rebuild; reused, they made a quarter fewer
-//! rebuilds in the 128-worker Mooncake bench (761 a run, against 1,008 counted in an
-//! instrumented build), and lookups skip them by their control byte (`docs/benchmarks.md`).
-//! A full table first sweeps (its dead slots freed in place, a walk of its control words)
-//! and is rebuilt only when that frees too few: in the 8-worker bench, 430 rebuilds a run
-//! instead of 1,300, most of them while the tables grow. A table whose live slots are past
-//! 3/4 when it is full grows by half ([`Table::grown`]): 144 rebuilds a run instead of 422,
-//! and 159 sweeps instead of 2,189.
+//! Dead slots are reused in place rather than left for the shard's next rebuild, which makes
+//! rebuilds fewer, and lookups skip them by their control byte. A full table first sweeps (its
+//! dead slots freed in place, a walk of its control words) and is rebuilt only when that frees
+//! too few. A table whose live slots are past 3/4 when it is full grows by half
+//! ([`Table::grown`]), so that a growing index rebuilds each table a few times, not once per
+//! few percent of growth.
 //!
 //! **Versions of crowded keys.** Each key has a version: one of the table's version counters
 //! (one per 32 groups, 64 to 4,096), by hash. A change of a key's set of live slots (a slot
@@ -74,216 +72,30 @@
 //! keeps them as they are, if it is of another key; the result is the key's state at the new
 //! version, and if it still has eight live slots, the argument above holds from there on.
 
-use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 
 use super::crowd::{Crowd, Crowds, Tally};
 use super::grace::Grace;
+use super::packed::{entry_of, is_tomb, ripe, tomb, Overflow, COPIES, ENTRY, ENTRY_SHIFT, HOLDER, MANY, NEVER};
 use super::prefetch::{prefetch, prefetch_write};
 use super::Padded;
 
-/// A dead slot's value (a *tomb*): the worker field all ones (never a live value: worker ids
-/// stop below 2^23 - 1), and in the low bits the grace ticket taken when it died
-/// ([`NEVER`] until then).
-const TOMB_MARK: u64 = 0x7f_ffff << 41;
-/// The ticket bits of a tomb.
-const TICKET: u64 = (1 << 41) - 1;
-/// The ticket of a tomb not reusable (yet).
-const NEVER: u64 = TICKET;
+mod probe;
+pub(super) use probe::Probe;
+use probe::{dead_bytes, match_byte, next_group, overflowed, DELETED, EMPTY_WORD, GROUP, HI, OVERFLOW_SHIFT};
 
-/// True if `v` is a tomb.
-pub(super) const fn is_tomb(v: u64) -> bool {
-    v >> 41 == 0x7f_ffff
-}
-
-/// The tomb of a slot that died before grace ticket `ticket` was taken.
-const fn tomb(ticket: u64) -> u64 {
-    TOMB_MARK | (ticket & TICKET)
-}
-
-/// True if the tomb `v` may be reused for another key now that `ended` grace periods have
-/// ended: more than its ticket. Compared on the ticket's 41 bits: a tomb left unused for 2^40
-/// periods looks fresh again and is only rebuilt away.
-const fn ripe(v: u64, ended: u64) -> bool {
-    let t = v & TICKET;
-    t != NEVER && (ended.wrapping_sub(t) & TICKET).wrapping_sub(1) < 1 << 40
-}
-/// Mask of the `copies` field of a packed value.
-const COPIES: u64 = 0x3f;
-/// The `copies` field of a holder with 63 copies or more: the count is in the [`Overflow`].
-const MANY: u64 = COPIES;
-const ENTRY_SHIFT: u32 = 6;
-/// Bits of an entry id.
-pub(super) const ENTRY_BITS: u32 = 28;
-/// The entry id of a slot without an entry.
-pub(super) const NO_ENTRY: u32 = (1 << ENTRY_BITS) - 1;
-const ENTRY: u64 = (NO_ENTRY as u64) << ENTRY_SHIFT;
-/// The entry field of a packed value without an entry.
-pub(super) const NO_ENTRY_BITS: u64 = ENTRY;
-/// Mask of the holder bits (worker, tag, tier) of a packed value.
-pub(super) const HOLDER: u64 = !(COPIES | ENTRY);
-
-/// Slots per group (the control word's eighth byte is the overflow count).
-const GROUP: usize = 7;
-/// Bit 7 of each slot control byte (bytes 0..7).
-const HI: u64 = 0x0080_8080_8080_8080;
-const LO: u64 = 0x0101_0101_0101_0101;
-/// The control byte of a dead slot (its value a tomb): bits 7 and 6 set, where an unused
-/// slot's (`EMPTY`, 0x80) has bit 6 clear and a fingerprint has bit 7 clear.
-const DELETED: u8 = 0xfe;
-/// Seven `EMPTY` control bytes, overflow count 0.
-const EMPTY_WORD: u64 = HI;
-const OVERFLOW_SHIFT: u32 = 56;
 const MIN_GROUPS: usize = 2;
 /// Groups per version counter (see the module docs), and the bounds of their number. A change
 /// of another key of the counter costs kept candidates nothing when it is the only change since
-/// they were kept (they take it as it is, [`Table::last_change`]), so counters can be few: one
-/// per 8 groups gave the same lookup p99 as one per 32 in the 128-worker bench, at 16 and 64
-/// trace copies, with 0.6 B more per block (a counter is 24 bytes with its last change). A
+/// they were kept (they take it as it is, [`Table::last_change`]), so counters can be few (a
+/// counter is 24 bytes with its last change); more of them do not make lookups faster. A
 /// small table keeps few, so that they stay in cache.
 const GROUPS_PER_VERSION: usize = 32;
 const VERSIONS: std::ops::RangeInclusive<usize> = 64..=4096;
 
 /// Ids of tables, never reused.
 static TABLE_IDS: AtomicU64 = AtomicU64::new(0);
-
-/// Packs a holder (without entry and copies).
-pub(super) const fn holder(worker: u32, tag: u64, tier: u8) -> u64 {
-    ((worker as u64) << 41) | (tag << 40) | (((tier & 63) as u64) << 34)
-}
-
-/// Worker id of a packed value.
-pub(super) const fn worker_of(v: u64) -> u32 {
-    (v >> 41) as u32
-}
-
-/// Generation tag (0 or 1) of a packed value.
-pub(super) const fn tag_of(v: u64) -> u64 {
-    (v >> 40) & 1
-}
-
-/// Tier id of a packed value.
-pub(super) const fn tier_of(v: u64) -> u8 {
-    ((v >> 34) & 63) as u8
-}
-
-/// Entry id of a packed value (`NO_ENTRY` if none).
-pub(super) const fn entry_of(v: u64) -> u32 {
-    ((v & ENTRY) >> ENTRY_SHIFT) as u32
-}
-
-/// Copy counts of 63 or more, by `(hash, holder)`: their slots say `MANY`. Changed only with
-/// the lock held, together with the slot, so a reader holding it sees the two agree.
-#[derive(Default)]
-pub(super) struct Overflow(Mutex<HashMap<(u64, u64), u32>>);
-
-pub(super) type OverflowGuard<'a> = MutexGuard<'a, HashMap<(u64, u64), u32>>;
-
-impl Overflow {
-    pub fn lock(&self) -> OverflowGuard<'_> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Copies of the live value `v` of `hash`: its field, or from the map (`many`, the locked
-    /// map; locked here if `None`).
-    pub fn copies(&self, hash: u64, v: u64, many: Option<&OverflowGuard<'_>>) -> u32 {
-        if v & COPIES != MANY {
-            return (v & COPIES) as u32;
-        }
-        let key = (hash, v & HOLDER);
-        match many {
-            Some(m) => m.get(&key).copied().unwrap_or(0),
-            None => self.lock().get(&key).copied().unwrap_or(0),
-        }
-    }
-
-    /// True if `v` keeps its count here.
-    pub fn is_many(v: u64) -> bool {
-        v & COPIES == MANY
-    }
-
-    pub fn bytes(&self) -> usize {
-        self.lock().capacity() * 24
-    }
-}
-
-/// Where a block hash lives: computed once per hash from a strong mix of it.
-#[derive(Clone, Copy, Debug, Default)]
-pub(super) struct Probe {
-    pub hash: u64,
-    mixed: u64,
-}
-
-impl Probe {
-    pub fn new(hash: u64) -> Self {
-        // A 64-bit finalizer: engine hashes are already uniform, but tests and synthetic
-        // workloads use small integers, and the shard, home group and fingerprint must not
-        // correlate.
-        let mut x = hash;
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x ^= x >> 33;
-        x = x.wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        x ^= x >> 33;
-        Self { hash, mixed: x }
-    }
-
-    /// The strong mix of the hash (its bits choose the shard, group, fingerprint, version
-    /// counter and crowd record place).
-    pub fn mixed(&self) -> u64 {
-        self.mixed
-    }
-
-    /// Bits 32.. choose the shard.
-    pub fn shard(&self, mask: usize) -> usize {
-        (self.mixed >> 32) as usize & mask
-    }
-
-    /// Bits 40..52: the key's version counter (of `counters`, a power of two up to 4,096).
-    fn stripe(&self, counters: usize) -> usize {
-        (self.mixed >> 40) as usize & (counters - 1)
-    }
-
-    /// Bits 57..64: the control-byte fingerprint (0..=0x7f).
-    fn fingerprint(&self) -> u8 {
-        (self.mixed >> 57) as u8
-    }
-
-    /// Bits 0..32 pick the home group by multiply-shift (group counts need not be powers of 2).
-    fn home(&self, groups: usize) -> usize {
-        (((self.mixed & 0xffff_ffff) * groups as u64) >> 32) as usize
-    }
-}
-
-/// Slot control bytes of `word` equal to `fp` (bit 7 of each matching byte set). May flag a
-/// full byte next to a true match (borrow), never an `EMPTY` byte nor the overflow byte;
-/// callers compare keys anyway.
-fn match_byte(word: u64, fp: u8) -> u64 {
-    let x = word ^ (LO * fp as u64);
-    x.wrapping_sub(LO) & !x & HI
-}
-
-/// The group after `g` (the last wraps to the first).
-#[inline]
-fn next_group(g: usize, groups: usize) -> usize {
-    if g + 1 == groups {
-        0
-    } else {
-        g + 1
-    }
-}
-
-/// Bit 7 of each `DELETED` slot control byte of `word`: those bytes have bits 7 and 6 set,
-/// `EMPTY` ones bit 7 alone, fingerprints not bit 7.
-fn dead_bytes(word: u64) -> u64 {
-    word & HI & (word << 1)
-}
-
-/// True when some insert went past this group: a probe must look at the next group too.
-fn overflowed(word: u64) -> bool {
-    word >> OVERFLOW_SHIFT != 0
-}
 
 struct Slot {
     key: AtomicU64,
@@ -363,8 +175,7 @@ struct Counts {
 impl Counts {
     /// Adds `live` and `tombs` to the counts. Caller holds the shard's mutex (or owns the
     /// table), so a load and a store suffice: a read-modify-write would also wait for every
-    /// store and load before it (the 8-worker bench's writer, in one process: 3-4% more block
-    /// operations per second without it and the page `valid` words', `runs.rs`).
+    /// store and load before it (as would the page `valid` words', `runs.rs`).
     fn add(&self, live: isize, tombs: isize) {
         self.live.store(self.live.load(Ordering::Relaxed).wrapping_add_signed(live), Ordering::Relaxed);
         if tombs != 0 {
@@ -931,9 +742,9 @@ impl Table {
     /// A fresh table holding this table's live values, with room for half as many again:
     /// sized for 1.5 times its live entries, so about 48% full. For a full table whose live
     /// slots are past 3/4 ([`Table::sweep_first`] false). Growing by half copies each live slot
-    /// under three times over the index's growth, where a table rebuilt for `live + 1` grew by
-    /// 4-16% a rebuild: the 8-worker Mooncake bench rebuilt its tables 422 times a run (144
-    /// with this), and each rebuild also dropped every lookup's kept candidates of its keys.
+    /// under three times over the index's growth, where a table rebuilt for `live + 1` would
+    /// grow by a few percent a rebuild, and each rebuild drops every lookup's kept candidates
+    /// of its keys.
     pub fn grown(&self) -> Table {
         self.rebuilt((self.live() / 2).max(1))
     }
@@ -950,226 +761,4 @@ impl Table {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn match_byte_flags_equal_bytes_and_never_empty_ones() {
-        let word = u64::from_le_bytes([0x80, 0x12, 0x13, 0x80, 0x12, 0x7f, 0x00, 0x80]);
-        let m = match_byte(word, 0x12);
-        assert_ne!(m & (0x80 << 8), 0);
-        assert_ne!(m & (0x80 << 32), 0);
-        for empty_byte in [0, 3, 7] {
-            assert_eq!(m & (0x80 << (8 * empty_byte)), 0);
-        }
-        // The overflow byte never matches, whatever its value.
-        let word = u64::from_le_bytes([0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x80, 0x12]);
-        assert_eq!(match_byte(word, 0x12), 0);
-        assert!(overflowed(word));
-    }
-
-    #[test]
-    fn probes_stop_at_home_when_no_insert_overflowed_it() {
-        let t = Table::for_entries(1000);
-        let o = Overflow::default();
-        for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), holder(0, 0, 0), 1, &mut || 7, &o, 0), Added::Done { .. }));
-        }
-        // Some groups filled up and overflowed; every key is still found, exactly once.
-        let overflowing = t.ctrl.iter().filter(|w| overflowed(w.load(Ordering::Relaxed))).count();
-        assert!(overflowing > 0, "the test should exercise overflow");
-        for k in 0..900u64 {
-            let mut n = 0;
-            t.for_each(&Probe::new(k), |_| n += 1);
-            assert_eq!(n, 1, "key {k}");
-        }
-        let r = t.rebuilt(0);
-        for k in 0..900u64 {
-            let mut n = 0;
-            r.for_each(&Probe::new(k), |_| n += 1);
-            assert_eq!(n, 1, "key {k} after rebuild");
-        }
-    }
-
-    #[test]
-    fn table_grows_only_through_full_and_keeps_values_on_rebuild() {
-        let t = Table::for_entries(0);
-        let h = holder(1, 0, 2);
-        let o = Overflow::default();
-        let mut n = 0u64;
-        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1, &mut || n as u32, &o, 0) {
-            n += 1;
-        }
-        assert_eq!(t.live() as u64, n);
-        assert!(t.live() <= t.capacity() - t.capacity() / 8);
-        let r = t.rebuilt(1);
-        assert_eq!(r.live() as u64, n);
-        for k in 0..n {
-            let mut seen = vec![];
-            r.for_each(&Probe::new(k), |v| seen.push(v));
-            assert_eq!(seen, vec![h | (k << ENTRY_SHIFT) | 1]);
-        }
-    }
-
-    #[test]
-    fn a_grown_table_holds_every_value_and_takes_half_as_many_again_before_it_is_full() {
-        let t = Table::for_entries(1000);
-        let (h, o) = (holder(3, 1, 0), Overflow::default());
-        let mut n = 0u64;
-        while let Added::Done { .. } = t.add(&Probe::new(n), h, 1, &mut || n as u32, &o, 0) {
-            n += 1;
-        }
-        assert!(!t.sweep_first(), "a table full of live slots grows");
-        let g = t.grown();
-        assert_eq!(g.live() as u64, n);
-        for k in 0..n {
-            let mut seen = vec![];
-            g.for_each(&Probe::new(k), |v| seen.push(v));
-            assert_eq!(seen, vec![h | (k << ENTRY_SHIFT) | 1]);
-        }
-        // Room for half as many again before the grown table is full, and less than twice.
-        let mut m = n;
-        while let Added::Done { .. } = g.add(&Probe::new(m), h, 1, &mut || m as u32, &o, 0) {
-            m += 1;
-        }
-        assert!(2 * m >= 3 * n, "{m} values before full, from {n}");
-        assert!(m < 2 * n, "{m} values before full, from {n}: a doubling");
-        assert!(2 * g.capacity() >= 3 * t.capacity(), "{} slots from {}", g.capacity(), t.capacity());
-    }
-
-    #[test]
-    fn a_dead_slot_is_reused_for_another_key_only_once_its_grace_ticket_has_passed() {
-        // Two groups, 14 slots, at most 13 used (dead ones included).
-        let t = Table::for_entries(0);
-        let (o, g) = (Overflow::default(), Grace::default());
-        let h = holder(3, 0, 0);
-        let count = |t: &Table, k: u64| {
-            let mut n = 0;
-            t.for_each(&Probe::new(k), |_| n += 1);
-            n
-        };
-        for k in 0..13u64 {
-            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
-        }
-        for k in 0..5u64 {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
-            assert_eq!(count(&t, k), 0);
-        }
-        assert_eq!((t.live(), t.tombs()), (8, 5));
-        // Their ticket (0) has not passed: a new key finds no room.
-        assert_eq!(t.add(&Probe::new(100), h, 1, &mut || 100, &o, g.periods_ended()), Added::Full);
-        // One grace period (start, second flip, end) passes it: five new keys take the dead
-        // slots, and the sixth finds no room again.
-        for _ in 0..3 {
-            g.advance();
-        }
-        assert_eq!(g.periods_ended(), 1);
-        for k in 100..105u64 {
-            assert_eq!(
-                t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 1),
-                Added::Done { saturated: false, entry: k as u32 }
-            );
-        }
-        assert_eq!((t.live(), t.tombs()), (13, 0));
-        assert_eq!(t.add(&Probe::new(105), h, 1, &mut || 105, &o, 1), Added::Full);
-        for k in (0..5).chain(105..106) {
-            assert_eq!(count(&t, k), 0, "key {k}");
-        }
-        for k in (5..13).chain(100..105) {
-            assert_eq!(count(&t, k), 1, "key {k}");
-        }
-    }
-
-    /// The overflow counts of `t`, group by group.
-    fn counts(t: &Table) -> Vec<u64> {
-        t.ctrl.iter().map(|w| w.load(Ordering::Relaxed) >> OVERFLOW_SHIFT).collect()
-    }
-
-    /// A table sized for 1,000 entries holding keys `0..900` for `h`, key `k` with entry `k`.
-    fn nine_hundred(h: u64) -> (Table, Overflow, Grace) {
-        let t = Table::for_entries(1000);
-        let (o, g) = (Overflow::default(), Grace::default());
-        for k in 0..900u64 {
-            assert!(matches!(t.add(&Probe::new(k), h, 1, &mut || k as u32, &o, 0), Added::Done { .. }));
-        }
-        (t, o, g)
-    }
-
-    #[test]
-    fn an_overflow_count_is_the_number_of_live_slots_placed_past_its_group() {
-        let h = holder(2, 0, 1);
-        let (t, o, g) = nine_hundred(h);
-        // Recount from the slots themselves: every live slot adds 1 to each group from its
-        // key's home up to its own.
-        let expected = |t: &Table| {
-            let groups = t.ctrl.len();
-            let mut c = vec![0u64; groups];
-            for i in t.published_slots() {
-                let mut g = Probe::new(t.slots[i].key.load(Ordering::Relaxed)).home(groups);
-                while g != i / GROUP {
-                    c[g] += 1;
-                    g = next_group(g, groups);
-                }
-            }
-            c
-        };
-        let before = counts(&t);
-        assert!(before.iter().filter(|&&c| c > 0).count() > 10, "the test should exercise overflow: {before:?}");
-        assert_eq!(before, expected(&t));
-        // Every other key dies: the counts fall with the slots that went past.
-        for k in (0..900u64).step_by(2) {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
-        }
-        assert_eq!(counts(&t), expected(&t));
-        assert!(counts(&t).iter().sum::<u64>() < before.iter().sum::<u64>());
-        // All of them: no group is passed any more, and every probe ends at its home group.
-        for k in (1..900u64).step_by(2) {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
-        }
-        assert_eq!(counts(&t), vec![0; t.ctrl.len()]);
-        assert_eq!((t.live(), t.tombs()), (0, 900));
-    }
-
-    #[test]
-    fn a_sweep_frees_only_ripe_dead_slots_of_groups_no_live_slot_went_past() {
-        let h = holder(5, 1, 0);
-        let (t, o, g) = nine_hundred(h);
-        for k in 0..300u64 {
-            assert_eq!(t.sub(&Probe::new(k), h, &o, &g), Subbed::Died { entry: k as u32 });
-        }
-        // Their ticket (0) has not passed: nothing is freed.
-        assert_eq!(t.sweep(g.periods_ended()), 0);
-        assert_eq!((t.live(), t.tombs()), (600, 300));
-        for _ in 0..3 {
-            g.advance();
-        }
-        assert_eq!(g.periods_ended(), 1);
-        // Which dead slots a sweep may free, read before it: those of groups with count 0.
-        let free: usize = t
-            .ctrl
-            .iter()
-            .map(|w| w.load(Ordering::Relaxed))
-            .filter(|&w| !overflowed(w))
-            .map(|w| dead_bytes(w).count_ones() as usize)
-            .sum();
-        let passed = counts(&t);
-        assert!(free > 0 && free < 300, "the test should keep some dead slots in passed groups: {free}");
-        assert_eq!(t.sweep(1), free);
-        assert_eq!((t.live(), t.tombs()), (600, 300 - free));
-        assert_eq!(counts(&t), passed, "a sweep changes no count");
-        // The freed slots are EMPTY; dead ones are left only where a live slot went past.
-        for w in t.ctrl.iter().map(|w| w.load(Ordering::Relaxed)) {
-            let dead = dead_bytes(w).count_ones();
-            assert!(dead == 0 || overflowed(w), "{w:016x}");
-        }
-        // Every key is what it was: the dead ones gone, the live ones found once, with their entry.
-        for k in 0..900u64 {
-            let mut seen = vec![];
-            t.for_each(&Probe::new(k), |v| seen.push(v));
-            let want = if k < 300 { vec![] } else { vec![h | (k << ENTRY_SHIFT) | 1] };
-            assert_eq!(seen, want, "key {k}");
-        }
-        // A second sweep finds nothing more.
-        assert_eq!(t.sweep(1), 0);
-    }
-}
+mod tests;
