@@ -13,6 +13,10 @@ pub mod liveness;
 pub mod load;
 mod metrics;
 pub mod rank;
+mod replay;
+mod sequencer;
+mod throttle;
+mod watched;
 
 pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
