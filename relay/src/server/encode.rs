@@ -487,4 +487,160 @@ mod tests {
         };
         assert_eq!(subscribe_bytes(&control).to_vec(), prost_bytes(&control));
     }
+
+    /// The fields this module writes by hand, per message of the contract: (number, name,
+    /// type). A field the contract adds, renumbers, renames or retypes in one of them fails
+    /// [`the_contract_has_no_field_the_encoder_does_not_write`] until the encoder writes it.
+    /// A message's fields: (number, name, type).
+    type Fields = &'static [(i32, &'static str, &'static str)];
+
+    const WRITTEN: &[(&str, Fields)] = &[
+        ("SubscribeResponse", &[(1, "batch", ".kv_relay.v1.Batch")]),
+        (
+            "Batch",
+            &[
+                (1, "cursor", "uint64"),
+                (2, "incarnation", "uint32"),
+                (3, "dp_rank", "uint32"),
+                (4, "engine_seq", "uint64"),
+                (5, "engine_ts", "double"),
+                (6, "events", "repeated .kv_relay.v1.Event"),
+                (7, "load", ".kv_relay.v1.Load"),
+                (8, "liveness", ".kv_relay.v1.Liveness"),
+            ],
+        ),
+        (
+            "Event",
+            &[
+                (1, "stored", ".kv_relay.v1.Stored"),
+                (2, "removed", ".kv_relay.v1.Removed"),
+                (3, "cleared", ".kv_relay.v1.Cleared"),
+            ],
+        ),
+        (
+            "Stored",
+            &[
+                (1, "tier", ".kv_relay.v1.Tier"),
+                (2, "tier_name", "string"),
+                (3, "group", ".kv_relay.v1.Group"),
+                (4, "parent", "optional fixed64"),
+                (5, "block_size", "uint32"),
+                (6, "token_layout", ".kv_relay.v1.TokenLayout"),
+                (7, "blocks", "repeated .kv_relay.v1.Block"),
+                (8, "namespace", ".kv_relay.v1.Namespace"),
+                (9, "session_id", "optional string"),
+                (10, "ownership", "optional string"),
+                (11, "lookahead_token_ids", "repeated .kv_relay.v1.TokenIds"),
+                (12, "has_lookahead_token_ids", "bool"),
+                (13, "block_mm_infos", ".kv_relay.v1.KeyPart"),
+            ],
+        ),
+        (
+            "Removed",
+            &[
+                (1, "tier", ".kv_relay.v1.Tier"),
+                (2, "tier_name", "string"),
+                (3, "group", "uint32"),
+                (4, "block_hashes", "repeated fixed64"),
+                (5, "ownership", "optional string"),
+            ],
+        ),
+        ("Cleared", &[(1, "tier", ".kv_relay.v1.Tier"), (2, "tier_name", "string")]),
+        ("Group", &[(1, "idx", "uint32"), (2, "kind", "optional string"), (3, "sliding_window", "optional uint32")]),
+        (
+            "Namespace",
+            &[
+                (1, "lora_name", "optional string"),
+                (2, "lora_id", "optional int64"),
+                (3, "cache_salt", "optional string"),
+            ],
+        ),
+        (
+            "Block",
+            &[(1, "hash", "fixed64"), (2, "token_ids", "repeated uint32"), (3, "extra_keys", ".kv_relay.v1.KeyPart")],
+        ),
+        ("TokenIds", &[(1, "ids", "repeated uint32")]),
+        (
+            "Load",
+            &[
+                (1, "running", "double"),
+                (2, "waiting", "double"),
+                (3, "kv_usage", "double"),
+                (4, "scraped_at_ms", "uint64"),
+            ],
+        ),
+        (
+            "Liveness",
+            &[
+                (1, "state", ".kv_relay.v1.EngineLiveness"),
+                (2, "reason", "string"),
+                (3, "since_ms", "uint64"),
+                (4, "observed_at_ms", "uint64"),
+            ],
+        ),
+    ];
+
+    /// The enums this module writes by number: (number, name).
+    const ENUMS: &[(&str, &[(i32, &str)])] =
+        &[("TokenLayout", &[(0, "TOKEN_LAYOUT_SINGLE"), (1, "TOKEN_LAYOUT_BIGRAM")])];
+
+    /// A field as the table above says it: its type, `optional` (proto3 presence) or `repeated`
+    /// before it, and a message or enum by its full name.
+    fn field_shape(f: &prost_types::FieldDescriptorProto) -> String {
+        use prost_types::field_descriptor_proto::{Label, Type};
+        let ty = match f.r#type() {
+            Type::Message | Type::Enum => f.type_name().to_string(),
+            t => t.as_str_name().trim_start_matches("TYPE_").to_lowercase(),
+        };
+        if f.label() == Label::Repeated {
+            format!("repeated {ty}")
+        } else if f.proto3_optional() {
+            format!("optional {ty}")
+        } else {
+            ty
+        }
+    }
+
+    #[test]
+    fn the_contract_has_no_field_the_encoder_does_not_write() {
+        let set = <prost_types::FileDescriptorSet as Message>::decode(kv_relay_proto::pb::FILE_DESCRIPTOR_SET).unwrap();
+        let file = set.file.iter().find(|f| f.package() == "kv_relay.v1").expect("the contract's file");
+        for (message, written) in WRITTEN {
+            let d = file
+                .message_type
+                .iter()
+                .find(|m| m.name() == *message)
+                .unwrap_or_else(|| panic!("no message {message}"));
+            let mut fields: Vec<(i32, String, String)> =
+                d.field.iter().map(|f| (f.number(), f.name().to_string(), field_shape(f))).collect();
+            fields.sort();
+            let known: Vec<(i32, String, String)> =
+                written.iter().map(|&(n, name, ty)| (n, name.to_string(), ty.to_string())).collect();
+            if *message == "SubscribeResponse" {
+                // Only its batch is written here; every other message goes through prost.
+                let batch: Vec<_> = fields.iter().filter(|f| f.0 == 1).cloned().collect();
+                assert_eq!(batch, known, "SubscribeResponse.batch");
+                continue;
+            }
+            assert_eq!(fields, known, "the fields of {message} (contract, then what encode.rs writes)");
+        }
+        for (name, values) in ENUMS {
+            let e = file.enum_type.iter().find(|e| e.name() == *name).unwrap_or_else(|| panic!("no enum {name}"));
+            let got: Vec<(i32, &str)> = e.value.iter().map(|v| (v.number(), v.name())).collect();
+            assert_eq!(got, values.to_vec(), "the values of {name}");
+        }
+        // Every message type a hand-written field holds is hand-written too, or one that
+        // prost writes here (key parts).
+        for (message, written) in WRITTEN {
+            for (_, field, ty) in *written {
+                let Some(inner) = ty.trim_start_matches("repeated ").strip_prefix(".kv_relay.v1.") else { continue };
+                let by_hand = WRITTEN.iter().any(|(m, _)| *m == inner);
+                let is_enum = file.enum_type.iter().any(|e| e.name() == inner);
+                assert!(
+                    by_hand || is_enum || inner == "KeyPart",
+                    "{message}.{field} holds {inner}, which nothing here writes"
+                );
+            }
+        }
+    }
 }
