@@ -59,8 +59,8 @@ timeout -k 30 1200 cargo test --workspace --locked || {
 step "tests that need root (a full disk and a read-only one, on a tmpfs they mount)"
 if [ "$(id -u)" -eq 0 ]; then
   cargo test --locked -p kv-relay --test store -- --ignored --exact \
-    a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing \
-    a_read_only_state_directory_is_a_clear_error
+    disk::a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing \
+    disk::a_read_only_state_directory_is_a_clear_error
 else
   echo "NOT RUN: not root. Run them as root: cargo test -p kv-relay --test store -- --ignored"
 fi

@@ -121,7 +121,7 @@ fn layered() -> Vec<Layered> {
         l!("metrics_listen" = "\"off\"" => "None", "KV_RELAY_METRICS_LISTEN" = "0.0.0.0:9465",
            "--metrics-listen" = "0.0.0.0:9466", default "Some(127.0.0.1:9464)", |c| format!("{:?}", c.metrics_listen)),
         l!("queue" = "16" => "16", "KV_RELAY_QUEUE" = "32", "--queue" = "64",
-           default "256", |c| c.ingest.queue.to_string()),
+           default "256", |c| c.ingest.group_batches.to_string()),
         l!("replay_timeout_ms" = "1000" => "1s", "KV_RELAY_REPLAY_TIMEOUT_MS" = "1500",
            "--replay-timeout-ms" = "2500", default "2s", |c| format!("{:?}", c.ingest.replay_timeout)),
         l!("tail_probe_ms" = "1000" => "1s", "KV_RELAY_TAIL_PROBE_MS" = "4000",
