@@ -2,7 +2,7 @@
 //! [`Sink`]), with no hand-off to another thread.
 //!
 //! A rank's thread decodes what its SUB socket has ready, holding the records, and commits them
-//! as one group when the socket has nothing more ready, when it holds [`IngestConfig::queue`]
+//! as one group when the socket has nothing more ready, when it holds [`IngestConfig::group_batches`]
 //! batches, or before it waits on the replay socket. Under load a group is every batch that
 //! arrived while the last one was committed; at light load a batch is committed as soon as it
 //! is decoded, on the thread its message woke. Ranks commit side by side: the store takes one
@@ -14,7 +14,7 @@
 //! socket, and nothing is dropped. A store that must be reopened stops the relay after
 //! [`STORE_FAILED_EXIT_AFTER`].
 //!
-//! [`IngestConfig::queue`]: crate::ingest::IngestConfig::queue
+//! [`IngestConfig::group_batches`]: crate::ingest::IngestConfig::group_batches
 
 use crate::ingest::{self, liveness::Livenesses, load::Loads, Closed, IngestItem, Sink};
 use crate::model::{Control, ControlKind, RecordBody};
@@ -88,14 +88,14 @@ impl Commits {
         self.failed.tx.send_replace(true);
     }
 
-    /// A rank's committer; `group` is the most batches it holds ([`IngestConfig::queue`]).
+    /// A rank's committer; `group` is the most batches it holds ([`IngestConfig::group_batches`]).
     ///
-    /// [`IngestConfig::queue`]: crate::ingest::IngestConfig::queue
+    /// [`IngestConfig::group_batches`]: crate::ingest::IngestConfig::group_batches
     pub fn for_rank(&self, dp_rank: u32, group: usize) -> RankCommitter {
         let group = group.max(1);
         RankCommitter {
             commits: self.clone(),
-            most: group,
+            group_batches: group,
             group: Vec::with_capacity(group),
             batches: Vec::with_capacity(group),
             lag: LagWindow::default(),
@@ -107,7 +107,8 @@ impl Commits {
 /// One rank's sink: holds what its thread decoded, and commits it on that thread.
 pub struct RankCommitter {
     commits: Commits,
-    most: usize,
+    /// The most batches it holds before it commits them.
+    group_batches: usize,
     group: Vec<RecordBody>,
     /// (rank, seq, ts) of the batches in `group`.
     batches: Vec<(u32, u64, f64)>,
@@ -126,7 +127,7 @@ impl Sink for RankCommitter {
             }
             IngestItem::Control(c) => RecordBody::Control(c),
         });
-        if self.group.len() >= self.most {
+        if self.group.len() >= self.group_batches {
             return self.flush();
         }
         Ok(())

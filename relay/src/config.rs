@@ -344,7 +344,7 @@ impl Args {
                 tail_probe: Duration::from_millis(self.tail_probe_ms.max(1)),
                 rcvhwm: 100_000,
                 max_message_bytes: self.max_message_bytes,
-                queue: self.queue,
+                group_batches: self.queue,
                 hash_check,
             },
             engine_metrics_url: self.engine_metrics_url.clone(),

@@ -337,7 +337,7 @@ pub fn effective_toml(c: &Config) -> String {
     let _ = writeln!(o, "listen = {}", q(&c.listen.to_string()));
     let metrics = c.metrics_listen.map_or_else(|| "off".to_string(), |a| a.to_string());
     let _ = writeln!(o, "metrics_listen = {}", q(&metrics));
-    let _ = writeln!(o, "queue = {}", ing.queue);
+    let _ = writeln!(o, "queue = {}", ing.group_batches);
     let _ = writeln!(o, "replay_timeout_ms = {}", ms(ing.replay_timeout));
     let _ = writeln!(o, "tail_probe_ms = {}", ms(ing.tail_probe));
     let _ = writeln!(o, "max_message_bytes = {}", ing.max_message_bytes);

@@ -112,7 +112,7 @@ pub async fn run(
     let commits = Commits::new(store.clone(), loads.clone(), liveness.clone(), status.clone());
     let mut failed_rx = commits.failed();
     let ctx = zmq::Context::new();
-    let group = cfg.ingest.queue;
+    let group = cfg.ingest.group_batches;
     let ingest = Ingest::start(&cfg.ingest, ctx, &resume, |rank| Box::new(commits.for_rank(rank, group)))?;
     let shutdown = async move {
         tokio::select! {

@@ -29,8 +29,8 @@ use crate::backoff::{Backoff, BackoffConfig};
 use crate::discovery::{DiscoveryCounters, DiscoveryStats};
 use crate::error::{ClientError, StreamError};
 use crate::index::{IndexConfig, PrefixIndex};
-use crate::matches::{MatchOptions, Matches, RelayView};
-use crate::worker::{Load, WorkerInfo, WorkerState};
+use crate::matches::{Match, MatchOptions, Matches, RelayView};
+use crate::worker::WorkerInfo;
 
 /// The follower's settings.
 #[derive(Clone, Debug)]
@@ -131,24 +131,6 @@ impl RelayInfo {
     pub fn position(&self) -> Position {
         Position { epoch: self.epoch, cursor: self.cursor, incarnation: self.incarnation }
     }
-}
-
-/// One worker's answer to a lookup.
-#[derive(Clone, Debug, PartialEq, Serialize)]
-pub struct Match {
-    /// The relay's URL.
-    #[serde(serialize_with = "crate::worker::ser_arc_str")]
-    pub relay: Arc<str>,
-    /// The DP rank.
-    pub dp_rank: u32,
-    /// Leading blocks of the request held in any tier.
-    pub matched_blocks: u32,
-    /// Leading blocks held within each tier alone (tiers with 0 left out).
-    pub by_tier: BTreeMap<String, u32>,
-    /// The worker's latest load.
-    pub load: Option<Load>,
-    /// The worker's state.
-    pub state: WorkerState,
 }
 
 /// A relay followed: its endpoint and admission state.

@@ -33,6 +33,6 @@ pub mod worker;
 pub use admission::{ClientEvent, Position, RelayAdmission, RelayCounters, Verdict};
 pub use discovery::{Discovery, DnsName};
 pub use error::{ClientError, StreamError};
-pub use follower::{validate_url, FollowConfig, Follower, Match, RelayInfo, ResyncSlots};
-pub use matches::{MatchOptions, MatchRef, Matches};
+pub use follower::{validate_url, FollowConfig, Follower, RelayInfo, ResyncSlots};
+pub use matches::{Match, MatchOptions, MatchRef, Matches};
 pub use worker::{EngineLiveness, Liveness, Load, WorkerInfo, WorkerState};

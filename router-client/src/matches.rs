@@ -7,6 +7,7 @@
 //! the lookup result and the tier names it read, and serializes (or lends [`MatchRef`]s) from
 //! them: no per-worker map, string or clone.
 
+use std::collections::BTreeMap;
 use std::fmt;
 use std::num::NonZeroUsize;
 use std::sync::Arc;
@@ -16,7 +17,6 @@ use serde::ser::{SerializeMap, SerializeSeq, SerializeStruct};
 use serde::{Serialize, Serializer};
 use tokio::time::Instant;
 
-use crate::follower::Match;
 use crate::index::{LookupResult, TierId, TierRun, WorkerId};
 use crate::worker::{EngineLiveness, Load, WorkerState};
 
@@ -99,6 +99,24 @@ impl TierNames {
         by_name.sort_by(|a, b| names[a.get() as usize].cmp(&names[b.get() as usize]));
         TierNames { names, by_name }
     }
+}
+
+/// One worker's answer to a lookup.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct Match {
+    /// The relay's URL.
+    #[serde(serialize_with = "crate::worker::ser_arc_str")]
+    pub relay: Arc<str>,
+    /// The DP rank.
+    pub dp_rank: u32,
+    /// Leading blocks of the request held in any tier.
+    pub matched_blocks: u32,
+    /// Leading blocks held within each tier alone (tiers with 0 left out).
+    pub by_tier: BTreeMap<String, u32>,
+    /// The worker's latest load.
+    pub load: Option<Load>,
+    /// The worker's state.
+    pub state: WorkerState,
 }
 
 /// The workers of a match, in the answer's order, read from the relays' views and the index's

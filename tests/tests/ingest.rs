@@ -62,7 +62,7 @@ fn relay_cfg(e: &MockEngine) -> IngestConfig {
         tail_probe: Duration::from_millis(300),
         rcvhwm: 100_000,
         max_message_bytes: kv_relay::ingest::DEFAULT_MAX_MESSAGE_BYTES,
-        queue: 64,
+        group_batches: 64,
         hash_check: None,
     }
 }
@@ -75,7 +75,7 @@ impl Relay {
     /// [`Relay::start`] whose collector starts from `live` (what a restarted relay's store
     /// holds), before the first batch is handed on.
     fn start_with(cfg: IngestConfig, resume: BTreeMap<u32, Resume>, live: LiveBlocks) -> Relay {
-        let (tx, mut rx) = tokio::sync::mpsc::channel(cfg.queue);
+        let (tx, mut rx) = tokio::sync::mpsc::channel(cfg.group_batches);
         let seen = Arc::new(Mutex::new(Seen { live, ..Seen::default() }));
         let s2 = seen.clone();
         let collector = std::thread::spawn(move || {

@@ -14,9 +14,9 @@ pub fn batch(rank: u32, b: &Batch, drops: &Tally, rewrites: &Tally, refilled: bo
     // counter call looks its labels up in the registry.
     let mut kinds: [(&'static str, u64, u64); 3] = [("stored", 0, 0), ("removed", 0, 0), ("cleared", 0, 0)];
     for e in &b.events {
-        if let Some(k) = kinds.iter_mut().find(|k| k.0 == e.kind()) {
-            k.1 += 1;
-            k.2 += e.block_ops() as u64;
+        if let Some((_, events, ops)) = kinds.iter_mut().find(|k| k.0 == e.kind()) {
+            *events += 1;
+            *ops += e.block_ops() as u64;
         }
     }
     for (kind, events, ops) in kinds {

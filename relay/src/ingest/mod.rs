@@ -4,7 +4,7 @@
 //! Each rank's thread hands its [`IngestItem`]s, in order, to a [`Sink`] of its own. The relay's
 //! sink commits them on that same thread (`crate::commit`): what the thread decoded since its
 //! SUB socket last had nothing ready goes to the store as one group, at most
-//! [`IngestConfig::queue`] batches. While a commit waits (a full disk, a slow store) the thread
+//! [`IngestConfig::group_batches`] batches. While a commit waits (a full disk, a slow store) the thread
 //! reads nothing, its SUB queue fills and the engine's PUB socket drops at its high-water mark:
 //! those batches come back through gap refill. The ingest never drops a batch silently.
 
@@ -37,7 +37,7 @@ pub struct Closed;
 /// own thread (`crate::commit`); tests collect them through a channel.
 pub trait Sink: Send {
     /// Takes one item. It may hold it until [`Sink::flush`], and may hand on what it holds (and
-    /// block until the store takes it) when it holds [`IngestConfig::queue`] batches.
+    /// block until the store takes it) when it holds [`IngestConfig::group_batches`] batches.
     fn put(&mut self, item: IngestItem) -> Result<(), Closed>;
     /// Hands on everything held. The rank's thread calls it when its SUB socket has nothing
     /// more ready, before it waits on the replay socket, and when it stops.
@@ -89,7 +89,7 @@ pub struct IngestConfig {
     pub max_message_bytes: u64,
     /// The most batches a rank's thread holds before it commits them (one group commit); it
     /// commits sooner, as soon as its socket has nothing more ready.
-    pub queue: usize,
+    pub group_batches: usize,
     /// The engine's hash settings when the relay checks its block hashes.
     pub hash_check: Option<Arc<HashCheckConfig>>,
 }
@@ -105,7 +105,7 @@ impl Default for IngestConfig {
             tail_probe: Duration::from_secs(3),
             rcvhwm: 100_000,
             max_message_bytes: DEFAULT_MAX_MESSAGE_BYTES,
-            queue: 256,
+            group_batches: 256,
             hash_check: None,
         }
     }

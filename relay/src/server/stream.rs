@@ -242,9 +242,9 @@ enum Wake {
 }
 
 /// Decrements the subscriber count however the producer ends.
-struct Open(RelayStatusHandle);
+struct SubscriberCount(RelayStatusHandle);
 
-impl Drop for Open {
+impl Drop for SubscriberCount {
     fn drop(&mut self) {
         self.0.subscriber_closed();
     }
@@ -257,7 +257,7 @@ impl Subscriber {
 
     pub(crate) async fn run(mut self, tx: Tx<Outgoing>) {
         self.status.subscriber_opened();
-        let _open = Open(self.status.clone());
+        let _counted = SubscriberCount(self.status.clone());
         let _ = self.produce(&tx).await;
     }
 

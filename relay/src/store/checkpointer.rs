@@ -66,11 +66,11 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
     // Durable: the previous checkpoint and the log this one covers may go.
     let previous = {
         let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
-        c.last.replace((m.id, m.cursor, m.bytes))
+        c.last.replace(CheckpointState { id: m.id, cursor: m.cursor, bytes: m.bytes })
     };
     sh.writer.lock().unwrap_or_else(|p| p.into_inner()).floor = m.cursor;
-    if let Some((old, ..)) = previous {
-        if let Err(e) = checkpoint::remove(&folder, old) {
+    if let Some(old) = previous {
+        if let Err(e) = checkpoint::remove(&folder, old.id) {
             // Harmless but for its space: the next open removes it.
             count("checkpoint", StoreError::io("remove the previous checkpoint", &folder, e));
         }

@@ -133,7 +133,7 @@ impl Store {
             return false;
         }
         let every_records = inner.policy.every_records;
-        let every_bytes = inner.policy.every_bytes.max(c.last.map_or(0, |l| l.2));
+        let every_bytes = inner.policy.every_bytes.max(c.last.map_or(0, |l| l.bytes));
         let due = w.counters.newest - c.began.0 >= every_records || w.appended - c.began.1 >= every_bytes;
         c.running = due;
         due

@@ -30,19 +30,19 @@ impl Identity {
     /// Opens sled in `dir/sled` (setting aside one that cannot be read), refuses a newer format,
     /// upgrades a format-1 store, and gives a new store its format and epoch.
     pub fn open(dir: &Path, cache_bytes: u64, segment_bytes: u64) -> Result<Identity, StoreError> {
-        let sl = |e| StoreError::sled("open", dir, e);
+        let sled_error = |e| StoreError::sled("open", dir, e);
         let (db, meta, data) = open_readable(dir, cache_bytes)?;
-        if meta.get("format").map_err(sl)?.as_deref() == Some(&1u32.to_be_bytes()[..]) {
+        if meta.get("format").map_err(sled_error)?.as_deref() == Some(&1u32.to_be_bytes()[..]) {
             v1::redo::apply_redo(dir, &db, &data)?;
             v1::upgrade(dir, &db, &meta, &data, segment_bytes)?;
         }
         if !data.is_empty() {
             let keys = data.len();
-            data.clear().map_err(sl)?;
-            db.flush().map_err(sl)?;
+            data.clear().map_err(sled_error)?;
+            db.flush().map_err(sled_error)?;
             tracing::info!(dir = %dir.display(), keys, "removed format 1's keys left after the upgrade");
         }
-        let epoch = match meta_u64(&meta, "epoch").map_err(sl)? {
+        let epoch = match meta_u64(&meta, "epoch").map_err(sled_error)? {
             Some(e) => e,
             None => new_epoch(dir, &db, &meta)?,
         };
@@ -52,20 +52,20 @@ impl Identity {
     /// Records this open as the next incarnation, whose first cursor is `newest + 1`; returns
     /// it and every incarnation's first cursor.
     pub fn begin_incarnation(&self, dir: &Path, newest: u64) -> Result<(u32, BTreeMap<u32, u64>), StoreError> {
-        let sl = |e| StoreError::sled("open", dir, e);
+        let sled_error = |e| StoreError::sled("open", dir, e);
         let meta = &self.meta;
-        let last = meta.get("incarnation").map_err(sl)?.and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok());
+        let last = meta.get("incarnation").map_err(sled_error)?.and_then(|v| <[u8; 4]>::try_from(v.as_ref()).ok());
         let incarnation = last.map(u32::from_be_bytes).unwrap_or(0) + 1;
         let mut b = sled::Batch::default();
         b.insert("incarnation", &incarnation.to_be_bytes());
         let mut key = b"i".to_vec();
         key.extend_from_slice(&incarnation.to_be_bytes());
         b.insert(key, &(newest + 1).to_be_bytes());
-        meta.apply_batch(b).map_err(sl)?;
-        self.db.flush().map_err(sl)?;
+        meta.apply_batch(b).map_err(sled_error)?;
+        self.db.flush().map_err(sled_error)?;
         let mut incarnations = BTreeMap::new();
         for kv in meta.scan_prefix("i") {
-            let (k, v) = kv.map_err(sl)?;
+            let (k, v) = kv.map_err(sled_error)?;
             if let (Ok(i), Ok(c)) = (<[u8; 4]>::try_from(&k[1..]), <[u8; 8]>::try_from(v.as_ref())) {
                 incarnations.insert(u32::from_be_bytes(i), u64::from_be_bytes(c));
             }
@@ -77,22 +77,22 @@ impl Identity {
 /// sled opened with its `meta` and `data` trees, holding a format this build reads (or nothing):
 /// a directory sled cannot read, or without a format or epoch, is set aside and made anew.
 fn open_readable(dir: &Path, cache_bytes: u64) -> Result<(sled::Db, sled::Tree, sled::Tree), StoreError> {
-    let sl = |e| StoreError::sled("open", dir, e);
+    let sled_error = |e| StoreError::sled("open", dir, e);
     let sled_dir = dir.join("sled");
     let db = match open_sled(&sled_dir, cache_bytes) {
         Ok(db) => db,
         Err(e @ (sled::Error::Corruption { .. } | sled::Error::ReportableBug(_))) => {
             set_aside(dir, &sled_dir, &e.to_string())?;
-            open_sled(&sled_dir, cache_bytes).map_err(sl)?
+            open_sled(&sled_dir, cache_bytes).map_err(sled_error)?
         }
-        Err(e) => return Err(sl(e)),
+        Err(e) => return Err(sled_error(e)),
     };
-    let meta = db.open_tree("meta").map_err(sl)?;
-    let data = db.open_tree("data").map_err(sl)?;
-    let format = meta.get("format").map_err(sl)?;
+    let meta = db.open_tree("meta").map_err(sled_error)?;
+    let data = db.open_tree("data").map_err(sled_error)?;
+    let format = meta.get("format").map_err(sled_error)?;
     let readable = match &format {
         None => data.is_empty() && meta.is_empty(),
-        Some(v) => v.len() == 4 && meta_u64(&meta, "epoch").map_err(sl)?.is_some(),
+        Some(v) => v.len() == 4 && meta_u64(&meta, "epoch").map_err(sled_error)?.is_some(),
     };
     if let Some(v) = format.as_deref().filter(|v| v.len() == 4) {
         let found = u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
@@ -105,16 +105,16 @@ fn open_readable(dir: &Path, cache_bytes: u64) -> Result<(sled::Db, sled::Tree, 
     }
     drop((meta, data, db));
     set_aside(dir, &sled_dir, "no format version or epoch")?;
-    let db = open_sled(&sled_dir, cache_bytes).map_err(sl)?;
-    let meta = db.open_tree("meta").map_err(sl)?;
-    let data = db.open_tree("data").map_err(sl)?;
+    let db = open_sled(&sled_dir, cache_bytes).map_err(sled_error)?;
+    let meta = db.open_tree("meta").map_err(sled_error)?;
+    let data = db.open_tree("data").map_err(sled_error)?;
     Ok((db, meta, data))
 }
 
 /// A new store: its format and a random nonzero epoch, flushed. A log or checkpoints found
 /// beside it belong to another store, and are set aside first.
 fn new_epoch(dir: &Path, db: &sled::Db, meta: &sled::Tree) -> Result<u64, StoreError> {
-    let sl = |e| StoreError::sled("open", dir, e);
+    let sled_error = |e| StoreError::sled("open", dir, e);
     if [log::LOG_DIR, checkpoint::FOLDER].iter().any(|n| dir.join(n).exists()) {
         let to = aside_dir(dir);
         tracing::warn!(dir = %dir.display(), moved_to = %to.display(),
@@ -130,8 +130,8 @@ fn new_epoch(dir: &Path, db: &sled::Db, meta: &sled::Tree) -> Result<u64, StoreE
     let mut b = sled::Batch::default();
     b.insert("format", &FORMAT_VERSION.to_be_bytes());
     b.insert("epoch", &epoch.to_be_bytes());
-    meta.apply_batch(b).map_err(sl)?;
-    db.flush().map_err(sl)?;
+    meta.apply_batch(b).map_err(sled_error)?;
+    db.flush().map_err(sled_error)?;
     Ok(epoch)
 }
 

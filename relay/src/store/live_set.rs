@@ -31,6 +31,7 @@
 //! tables it selects), not while it is copied.
 
 use super::snapshot::{SnapshotBlock, SnapshotFilter};
+use super::types::LiveGroupSummary;
 use crate::model::{Event, Namespace, RecordBody, Tier, TokenLayout};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -603,12 +604,19 @@ impl LiveSet {
         self.journals.len()
     }
 
-    /// Totals of the tables holding blocks, in order: (key, blocks, copies, namespaces).
-    pub(crate) fn summary(&self) -> Vec<(TableKey, u64, u64, u64)> {
+    /// Totals of the tables holding blocks, in (rank, tier, group) order.
+    pub(crate) fn summary(&self) -> Vec<LiveGroupSummary> {
         self.tables
             .iter()
             .filter(|(_, t)| t.blocks > 0)
-            .map(|(k, t)| (k.clone(), t.blocks, t.copies, t.ns.live))
+            .map(|(k, t)| LiveGroupSummary {
+                dp_rank: k.dp_rank,
+                tier: k.tier.clone(),
+                group: k.group,
+                blocks: t.blocks,
+                copies: t.copies,
+                namespaces: t.ns.live,
+            })
             .collect()
     }
 

@@ -269,7 +269,7 @@ fn decode_frame(b: &[u8]) -> Result<Frame, String> {
 pub(crate) fn open(state_dir: &Path, epoch: u64, segment_bytes: u64, next: u64) -> Result<Opened, StoreError> {
     let folder = state_dir.join(LOG_DIR);
     let io = |e| StoreError::io("open the log", &folder, e);
-    let bad = |detail: String| StoreError::Decode { dir: state_dir.to_path_buf(), what: "log", detail };
+    let decode_error = |detail: String| StoreError::Decode { dir: state_dir.to_path_buf(), what: "log", detail };
     std::fs::create_dir_all(&folder).map_err(io)?;
     let mut firsts = list(&folder).map_err(io)?;
     if firsts.is_empty() {
@@ -284,7 +284,7 @@ pub(crate) fn open(state_dir: &Path, epoch: u64, segment_bytes: u64, next: u64) 
         let path = segment_path(&folder, first);
         let name = path.display();
         if first != expect {
-            return Err(bad(format!("segment {name} begins at cursor {first}, where {expect} was expected")));
+            return Err(decode_error(format!("segment {name} begins at cursor {first}, where {expect} was expected")));
         }
         let file = std::fs::OpenOptions::new().read(true).write(true).open(&path).map_err(io)?;
         let mut b = Vec::new();
@@ -303,11 +303,11 @@ pub(crate) fn open(state_dir: &Path, epoch: u64, segment_bytes: u64, next: u64) 
             b = h;
         }
         if &b[..8] != MAGIC {
-            return Err(bad(format!("segment {name} is not a log segment (bad header)")));
+            return Err(decode_error(format!("segment {name} is not a log segment (bad header)")));
         }
         let theirs = u64::from_le_bytes(b[8..16].try_into().expect("8 bytes"));
         if theirs != epoch {
-            return Err(bad(format!("segment {name} belongs to the store of epoch {theirs}, not {epoch}")));
+            return Err(decode_error(format!("segment {name} belongs to the store of epoch {theirs}, not {epoch}")));
         }
         let mut at = HEADER as usize;
         let mut torn = None;

@@ -97,8 +97,8 @@ struct View {
 /// The checkpoints' state, shared by the commits (which start them) and the checkpoint thread.
 #[derive(Debug, Default)]
 struct Checkpoints {
-    /// The newest whole checkpoint: (id, cursor, bytes).
-    last: Option<(u64, u64, u64)>,
+    /// The newest whole checkpoint.
+    last: Option<CheckpointState>,
     /// The id the next checkpoint takes.
     next_id: u64,
     /// Where the log stood when the running (or last) checkpoint began: (cursor, appended bytes).

@@ -19,7 +19,10 @@ use super::error::{count, StoreError};
 use super::identity::Identity;
 use super::live_set::LiveSet;
 use super::log::{self, LogIndex, Writer, SYNC_EVERY};
-use super::{checkpointer, recent, Checkpoints, HistoryLimits, Inner, RankCursor, Shared, Store, StoreConfig, View};
+use super::{
+    checkpointer, recent, CheckpointState, Checkpoints, HistoryLimits, Inner, RankCursor, Shared, Store, StoreConfig,
+    View,
+};
 use std::collections::{BTreeMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::AtomicBool;
@@ -66,12 +69,12 @@ fn open(cfg: StoreConfig) -> Result<Store, StoreError> {
         frame: Vec::new(),
     };
     let checkpoints = Checkpoints {
-        last: manifest.as_ref().map(|m| (m.id, m.cursor, m.bytes)),
+        last: manifest.as_ref().map(|m| CheckpointState { id: m.id, cursor: m.cursor, bytes: m.bytes }),
         next_id,
         began: (floor, 0),
         running: false,
     };
-    let blocks: u64 = live.summary().iter().map(|s| s.1).sum();
+    let blocks: u64 = live.summary().iter().map(|s| s.blocks).sum();
     let shared = Arc::new(Shared {
         dir: dir.clone(),
         db: identity.db,

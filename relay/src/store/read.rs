@@ -120,22 +120,12 @@ impl Store {
     pub fn live_summary(&self) -> Vec<LiveGroupSummary> {
         let live = self.inner.shared.live.lock().unwrap_or_else(|p| p.into_inner());
         live.summary()
-            .into_iter()
-            .map(|(k, blocks, copies, namespaces)| LiveGroupSummary {
-                dp_rank: k.dp_rank,
-                tier: k.tier,
-                group: k.group,
-                blocks,
-                copies,
-                namespaces,
-            })
-            .collect()
     }
 
     /// Totals of the whole live set.
     pub fn live_stats(&self) -> LiveStats {
         let live = self.inner.shared.live.lock().unwrap_or_else(|p| p.into_inner());
-        let (blocks, copies) = live.summary().iter().fold((0, 0), |(b, c), g| (b + g.1, c + g.2));
+        let (blocks, copies) = live.summary().iter().fold((0, 0), |(b, c), g| (b + g.blocks, c + g.copies));
         LiveStats {
             blocks,
             copies,
@@ -152,7 +142,7 @@ impl Store {
     /// The newest whole checkpoint: its cursor and bytes; `None` before the first.
     pub fn checkpoint_state(&self) -> Option<CheckpointState> {
         let c = self.inner.shared.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
-        c.last.map(|(id, cursor, bytes)| CheckpointState { id, cursor, bytes })
+        c.last
     }
 
     /// Whether `cursor`, as committed by `incarnation` (from a [`Record`] the subscriber saw), is

@@ -88,33 +88,33 @@ pub(crate) fn upgrade(
     data: &sled::Tree,
     segment_bytes: u64,
 ) -> Result<(), StoreError> {
-    let sl = |e| StoreError::sled("upgrade the store from format 1", dir, e);
-    let bad = |what: &'static str, detail: String| StoreError::Decode { dir: dir.to_path_buf(), what, detail };
+    let sled_error = |e| StoreError::sled("upgrade the store from format 1", dir, e);
+    let decode_error = |what: &'static str, detail: String| StoreError::Decode { dir: dir.to_path_buf(), what, detail };
     let started = std::time::Instant::now();
-    let c = data.get([V1_COUNTERS]).map_err(sl)?;
+    let c = data.get([V1_COUNTERS]).map_err(sled_error)?;
     let mut counters = [0u64; 6];
     if let Some(c) = &c {
         let mut r = Reader::new(c);
         for x in &mut counters {
-            *x = r.u64_be().ok_or_else(|| bad("format-1 counters", format!("{} bytes", c.len())))?;
+            *x = r.u64_be().ok_or_else(|| decode_error("format-1 counters", format!("{} bytes", c.len())))?;
         }
     }
     let [newest, oldest, _hist_batches, _hist_bytes, removed_not_live, stored_already_live] = counters;
     let mut rows = std::collections::BTreeMap::new();
     for kv in data.scan_prefix([V1_RANK]) {
-        let (k, v) = kv.map_err(sl)?;
+        let (k, v) = kv.map_err(sled_error)?;
         let rank = k.get(1..5).and_then(|b| b.try_into().ok()).map(u32::from_be_bytes);
-        let rank = rank.ok_or_else(|| bad("format-1 rank row", format!("key {k:02x?}")))?;
-        rows.insert(rank, codec::decode_named::<RankRowV1>(&v).map_err(|d| bad("format-1 rank row", d))?);
+        let rank = rank.ok_or_else(|| decode_error("format-1 rank row", format!("key {k:02x?}")))?;
+        rows.insert(rank, codec::decode_named::<RankRowV1>(&v).map_err(|d| decode_error("format-1 rank row", d))?);
     }
     let mut live = LiveSet::default();
     (live.cursor, live.removed_not_live, live.stored_already_live) = (newest, removed_not_live, stored_already_live);
     let mut b = SnapshotBlock::default();
     let (mut kept, mut dead) = (0u64, 0u64);
     for kv in data.scan_prefix([V1_LIVE]) {
-        let (k, v) = kv.map_err(sl)?;
+        let (k, v) = kv.map_err(sled_error)?;
         let (rank, rgen, tier, tgen, group, hash) =
-            parse_live_key(&k).ok_or_else(|| bad("format-1 live key", format!("key {k:02x?}")))?;
+            parse_live_key(&k).ok_or_else(|| decode_error("format-1 live key", format!("key {k:02x?}")))?;
         // Live only under the rank's and the tier's current generations: older keys were
         // cleared, waiting for a sweep.
         let row = rows.get(&rank);
@@ -124,14 +124,14 @@ pub(crate) fn upgrade(
             continue;
         }
         (b.dp_rank, b.tier, b.group, b.hash) = (rank, tier, group, hash);
-        decode_live_value(&v, &mut b).ok_or_else(|| bad("format-1 live block", format!("key {k:02x?}")))?;
+        decode_live_value(&v, &mut b).ok_or_else(|| decode_error("format-1 live block", format!("key {k:02x?}")))?;
         live.insert(&b);
         kept += 1;
     }
     // The history becomes the log, and the live set with the ranks' positions checkpoint 1 at
     // the newest cursor, both on the disk before the format is switched.
-    let epoch = meta.get("epoch").map_err(sl)?.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok());
-    let epoch = u64::from_be_bytes(epoch.ok_or_else(|| bad("format-1 epoch", "missing".into()))?);
+    let epoch = meta.get("epoch").map_err(sled_error)?.and_then(|v| <[u8; 8]>::try_from(v.as_ref()).ok());
+    let epoch = u64::from_be_bytes(epoch.ok_or_else(|| decode_error("format-1 epoch", "missing".into()))?);
     let io = |e| StoreError::io("upgrade the store from format 1", dir, e);
     for folder in [dir.join(log::LOG_DIR), checkpoint::folder(dir)] {
         // What an upgrade a crash interrupted left.
@@ -155,13 +155,13 @@ pub(crate) fn upgrade(
         Ok(())
     };
     for kv in data.range(history_key(first)..) {
-        let (k, v) = kv.map_err(sl)?;
+        let (k, v) = kv.map_err(sled_error)?;
         if k.first() != Some(&V1_HISTORY) {
             break;
         }
         let cursor = k.get(1..9).and_then(|b| b.try_into().ok()).map(u64::from_be_bytes);
         if cursor != Some(next) || next > newest {
-            return Err(bad("format-1 history", format!("cursor {next} expected, found key {k:02x?}")));
+            return Err(decode_error("format-1 history", format!("cursor {next} expected, found key {k:02x?}")));
         }
         if offsets.is_empty() {
             log::begin_frame(&mut frame, next);
@@ -175,7 +175,10 @@ pub(crate) fn upgrade(
     }
     flush(&mut frame, &mut offsets, next)?;
     if oldest != 0 && next != newest + 1 {
-        return Err(bad("format-1 history", format!("it ends at cursor {} and the counters say {newest}", next - 1)));
+        return Err(decode_error(
+            "format-1 history",
+            format!("it ends at cursor {} and the counters say {newest}", next - 1),
+        ));
     }
     let (files, _) = opened.active.take_unsynced();
     for f in files {
@@ -186,8 +189,8 @@ pub(crate) fn upgrade(
     let snap = Snapshot::open(&live, &SnapshotFilter::all(), 0, 0);
     let ranks = rows.iter().map(|(rank, row)| (*rank, row.cursor.clone())).collect();
     let m = checkpoint::write(snap, ranks, &checkpoint::folder(dir), 1, &|| false)?;
-    meta.insert("format", &FORMAT_VERSION.to_be_bytes()).map_err(sl)?;
-    db.flush().map_err(sl)?;
+    meta.insert("format", &FORMAT_VERSION.to_be_bytes()).map_err(sled_error)?;
+    db.flush().map_err(sled_error)?;
     tracing::warn!(
         dir = %dir.display(),
         live_blocks = kept,

@@ -136,12 +136,12 @@ pub(crate) fn apply_redo(dir: &Path, db: &sled::Db, data: &sled::Tree) -> Result
         what: "redo file",
         detail: format!("{detail} (in {}; the store cannot be trusted without it)", path.display()),
     })?;
-    let sl = |e| StoreError::sled("apply the redo", dir, e);
+    let sled_error = |e| StoreError::sled("apply the redo", dir, e);
     let writes: usize = batches.iter().map(Vec::len).sum();
     for b in &batches {
-        data.apply_batch(sled_batch(b)).map_err(sl)?;
+        data.apply_batch(sled_batch(b)).map_err(sled_error)?;
     }
-    db.flush().map_err(sl)?;
+    db.flush().map_err(sled_error)?;
     std::fs::remove_file(&path).map_err(|e| StoreError::io("remove the applied redo", dir, e))?;
     std::fs::File::open(dir)
         .and_then(|d| d.sync_all())
