@@ -17,9 +17,10 @@
 //! [`IngestConfig::group_batches`]: crate::ingest::IngestConfig::group_batches
 
 use crate::ingest::{self, liveness::Livenesses, load::Loads, Closed, IngestItem, Sink};
-use crate::model::{Control, ControlKind, RecordBody};
-use crate::server::status::{RankState, RelayStatusHandle};
+use crate::model::{Control, ControlKind, RankHealth, RecordBody};
+use crate::status::RelayStatusHandle;
 use crate::store::{Store, StoreError};
+use crate::sync::{Locked, ReadWrite};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -79,11 +80,11 @@ impl Commits {
 
     /// The error the store failed with, once (`None` after, or when it did not fail).
     pub fn take_failure(&self) -> Option<StoreError> {
-        self.failed.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+        self.failed.error.locked().take()
     }
 
     fn fail(&self, e: StoreError) {
-        *self.failed.error.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+        *self.failed.error.locked() = Some(e);
         self.failed.set.store(true, Ordering::Release);
         self.failed.tx.send_replace(true);
     }
@@ -120,9 +121,9 @@ impl Sink for RankCommitter {
     fn put(&mut self, item: IngestItem) -> Result<(), Closed> {
         self.group.push(match item {
             IngestItem::Batch { batch, .. } => {
-                let load = ingest::load::for_rank(&self.commits.loads.read().expect("loads"), batch.dp_rank);
+                let load = ingest::load::for_rank(&self.commits.loads.reading(), batch.dp_rank);
                 self.batches.push((batch.dp_rank, batch.seq, batch.ts));
-                let liveness = self.commits.liveness.read().expect("liveness").get(&batch.dp_rank).cloned();
+                let liveness = self.commits.liveness.reading().get(&batch.dp_rank).cloned();
                 RecordBody::Batch { batch, load, liveness }
             }
             IngestItem::Control(c) => RecordBody::Control(c),
@@ -262,7 +263,7 @@ fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelaySta
                 let reason = format!("{what} could not be stored ({e}) and was dropped");
                 tracing::error!(dp_rank, %reason, "record dropped: the store cannot hold it");
                 status.add("store_refused", 1);
-                status.set_rank_state(dp_rank, RankState::Degraded, reason.clone());
+                status.set_rank_health(dp_rank, RankHealth::Degraded { reason: reason.clone() }, false);
                 // A refused control is not answered with another (it could be refused in turn).
                 if batch {
                     let degraded = Control { dp_rank, kind: ControlKind::RankDegraded { reason } };
@@ -354,7 +355,7 @@ mod tests {
             ]
         );
         let rank = status.rank(1).unwrap();
-        assert_eq!((rank.state, rank.reason.as_str(), rank.last_engine_seq), (RankState::Degraded, reason, 12));
+        assert_eq!((rank.health.as_str(), rank.health.reason(), rank.last_engine_seq), ("degraded", reason, 12));
         assert_eq!(status.get().counters.get("store_refused"), Some(&1));
         assert_eq!(store.live_stats().blocks, 2);
     }

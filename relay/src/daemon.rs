@@ -17,9 +17,10 @@ use crate::config::Config;
 use crate::ingest::liveness::{Livenesses, Progress};
 use crate::ingest::{self, load::Loads, Ingest, Resume};
 use crate::model::Load;
-use crate::server::status::{notice_channel, HashCheckCounts, Notice, RankState, RelayStatusHandle};
 use crate::server::{self, ServerConfig};
+use crate::status::{notice_channel, Notice, RelayStatusHandle};
 use crate::store::{CheckpointPolicy, HistoryLimits, Store, StoreConfig, StoreError};
+use crate::sync::{Locked, ReadWrite};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, RwLock};
@@ -223,22 +224,9 @@ async fn status_loop(
             _ = tick.tick() => {}
         }
         for (&rank, st) in &ranks {
-            let s = st.lock().expect("rank status").clone();
-            let state = match (s.stopped, s.health) {
-                (true, _) => RankState::Stopped,
-                (false, ingest::Health::Ok) => RankState::Ok,
-                (false, ingest::Health::Degraded) => RankState::Degraded,
-                (false, ingest::Health::Incomplete) => RankState::Incomplete,
-            };
-            status.set_rank_state(rank, state, s.reason.clone().unwrap_or_default());
-            status.set_hash_check(
-                rank,
-                s.hash_check.as_ref().map(|h| HashCheckCounts {
-                    checked: h.checked,
-                    mismatched: h.mismatched,
-                    skipped: h.skipped_total(),
-                }),
-            );
+            let s = st.locked().clone();
+            status.set_rank_health(rank, s.health.clone(), s.stopped);
+            status.set_hash_check(rank, s.hash_check.clone());
             for (name, v) in [
                 ("batches", s.batches),
                 ("gaps", s.gaps),
@@ -279,14 +267,14 @@ async fn scrape_loop(sc: Scrape, status: RelayStatusHandle, mut stop: tokio::syn
         match ingest::load::scrape(&url, every.max(Duration::from_secs(1))).await {
             Ok(text) => {
                 let now = now_ms();
-                *loads.write().expect("loads") = ingest::load::parse(&text, now);
-                progress.lock().expect("progress").observe(now, &ingest::load::progress(&text));
+                *loads.writing() = ingest::load::parse(&text, now);
+                progress.locked().observe(now, &ingest::load::progress(&text));
                 if failing {
                     tracing::info!(%url, "engine metrics reachable again");
                 }
                 failing = false;
                 status.set_counter("engine_metrics_reachable", 1);
-                let loads = loads.read().expect("loads");
+                let loads = loads.reading();
                 for rank in status.get().ranks.keys() {
                     if let Some(l) = ingest::load::for_rank(&loads, *rank) {
                         status.set_load(*rank, l);
@@ -319,9 +307,9 @@ async fn heartbeat_loop(
             _ = tick.tick() => {}
         }
         for (&rank, st) in &ranks {
-            let quiet = st.lock().expect("rank status").last_batch_at.is_none_or(|t| t.elapsed() >= every);
+            let quiet = st.locked().last_batch_at.is_none_or(|t| t.elapsed() >= every);
             if quiet {
-                let load: Option<Load> = ingest::load::for_rank(&loads.read().expect("loads"), rank);
+                let load: Option<Load> = ingest::load::for_rank(&loads.reading(), rank);
                 // No receiver is not an error: nobody is subscribed.
                 let _ = notices.send(Notice::Heartbeat { dp_rank: rank, load });
             }

@@ -212,6 +212,15 @@ impl CheckCounts {
         self.skip_n(why, 1);
     }
 
+    /// Mismatched over checked blocks; 0 when none was checked.
+    pub fn mismatch_rate(&self) -> f64 {
+        if self.checked == 0 {
+            0.0
+        } else {
+            self.mismatched as f64 / self.checked as f64
+        }
+    }
+
     /// Every skipped block, whatever the reason.
     pub fn skipped_total(&self) -> u64 {
         self.skipped.iter().map(|(_, n)| n).sum()

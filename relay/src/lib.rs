@@ -46,6 +46,8 @@ pub mod model;
 pub mod normalize;
 pub mod notify;
 pub mod server;
+pub mod status;
 pub mod store;
+mod sync;
 pub mod watch;
 pub mod wire;

@@ -384,6 +384,55 @@ pub enum ControlKind {
     RankRecovered,
 }
 
+/// A rank's condition as its control records leave it: one model for the ingest (which decides
+/// it), the store (which keeps it for a restart) and the status (which serves it).
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "health", rename_all = "snake_case")]
+pub enum RankHealth {
+    /// Following the rank; nothing missed.
+    #[default]
+    Ok,
+    /// A gap could not be refilled: stale blocks may be held.
+    Degraded { reason: String },
+    /// Blocks announced before the relay saw the rank may be missing; none is stale.
+    Incomplete { reason: String },
+}
+
+impl RankHealth {
+    /// The health after `kind`: degraded wins over incomplete, only a recovery (an
+    /// `AllBlocksCleared`, or a publisher restart) makes either ok, and a reset leaves it as it
+    /// is (the recovery that follows it says so).
+    pub fn after(&self, kind: &ControlKind) -> RankHealth {
+        match kind {
+            ControlKind::RankDegraded { reason } => RankHealth::Degraded { reason: reason.clone() },
+            ControlKind::RankIncomplete { reason } if self.is_ok() => RankHealth::Incomplete { reason: reason.clone() },
+            ControlKind::RankRecovered => RankHealth::Ok,
+            ControlKind::RankIncomplete { .. } | ControlKind::RankReset { .. } => self.clone(),
+        }
+    }
+
+    pub fn is_ok(&self) -> bool {
+        *self == RankHealth::Ok
+    }
+
+    /// `ok`, `degraded` or `incomplete`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            RankHealth::Ok => "ok",
+            RankHealth::Degraded { .. } => "degraded",
+            RankHealth::Incomplete { .. } => "incomplete",
+        }
+    }
+
+    /// Why the rank is not ok (empty when it is).
+    pub fn reason(&self) -> &str {
+        match self {
+            RankHealth::Ok => "",
+            RankHealth::Degraded { reason } | RankHealth::Incomplete { reason } => reason,
+        }
+    }
+}
+
 /// A control event for one rank.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Control {
@@ -464,5 +513,27 @@ mod tests {
         assert_eq!(serde_json::from_str::<KeyPart>(&j).unwrap(), k);
         let m = KeyPart::Map(MapParts { map: vec![(KeyPart::Str("k".into()), KeyPart::UInt(u64::MAX))] });
         assert_eq!(serde_json::from_str::<KeyPart>(&serde_json::to_string(&m).unwrap()).unwrap(), m);
+    }
+
+    #[test]
+    fn degraded_wins_over_incomplete_and_only_a_recovery_clears_either() {
+        let why = |s: &str| s.to_string();
+        let degraded = RankHealth::Degraded { reason: why("gap") };
+        let incomplete = RankHealth::Incomplete { reason: why("late") };
+        let cases = [
+            (RankHealth::Ok, ControlKind::RankDegraded { reason: why("gap") }, degraded.clone()),
+            (RankHealth::Ok, ControlKind::RankIncomplete { reason: why("late") }, incomplete.clone()),
+            (RankHealth::Ok, ControlKind::RankReset { reason: why("restart") }, RankHealth::Ok),
+            (incomplete.clone(), ControlKind::RankDegraded { reason: why("gap") }, degraded.clone()),
+            (degraded.clone(), ControlKind::RankIncomplete { reason: why("other") }, degraded.clone()),
+            (degraded.clone(), ControlKind::RankReset { reason: why("restart") }, degraded.clone()),
+            (degraded.clone(), ControlKind::RankRecovered, RankHealth::Ok),
+            (incomplete.clone(), ControlKind::RankRecovered, RankHealth::Ok),
+        ];
+        for (before, kind, after) in cases {
+            assert_eq!(before.after(&kind), after, "{before:?} then {kind:?}");
+        }
+        assert_eq!((degraded.as_str(), degraded.reason()), ("degraded", "gap"));
+        assert_eq!((RankHealth::Ok.as_str(), RankHealth::Ok.reason()), ("ok", ""));
     }
 }

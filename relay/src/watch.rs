@@ -8,7 +8,8 @@ use crate::config::LivenessConfig;
 use crate::ingest::liveness::{self, Activity, Judge, Livenesses, Probe, Progress};
 use crate::ingest::{self, load::Loads, SharedRankStatus};
 use crate::model::EngineState;
-use crate::server::status::{Notice, RelayStatusHandle};
+use crate::status::{Notice, RelayStatusHandle};
+use crate::sync::{Locked, ReadWrite};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -95,14 +96,9 @@ impl Watch {
     fn judge_all(&self, judge: &mut Judge, probe: &Probe) {
         let now = now_ms();
         for (&rank, st) in &self.ranks {
-            let batch_at = st
-                .lock()
-                .expect("rank status")
-                .last_batch_at
-                .map(|t| now.saturating_sub(t.elapsed().as_millis() as u64));
-            let moved_at = self.progress.lock().expect("progress").moved_at(rank);
-            let busy = ingest::load::for_rank(&self.loads.read().expect("loads"), rank)
-                .is_some_and(|l| l.running + l.waiting > 0.0);
+            let batch_at = st.locked().last_batch_at.map(|t| now.saturating_sub(t.elapsed().as_millis() as u64));
+            let moved_at = self.progress.locked().moved_at(rank);
+            let busy = ingest::load::for_rank(&self.loads.reading(), rank).is_some_and(|l| l.running + l.waiting > 0.0);
             let progressed_at_ms = batch_at.max(moved_at);
             let (l, changed) = judge.judge(now, rank, probe, Activity { busy, progressed_at_ms });
             if changed {
@@ -118,10 +114,10 @@ impl Watch {
                 metrics::counter!("kv_relay_engine_liveness_changes_total", "rank" => label, "state" => l.state.as_str())
                     .increment(1);
             }
-            self.liveness.write().expect("liveness").insert(rank, l.clone());
+            self.liveness.writing().insert(rank, l.clone());
             self.status.set_liveness(rank, l);
             if changed {
-                let load = ingest::load::for_rank(&self.loads.read().expect("loads"), rank);
+                let load = ingest::load::for_rank(&self.loads.reading(), rank);
                 // No receiver is not an error: nobody is subscribed.
                 let _ = self.notices.send(Notice::Heartbeat { dp_rank: rank, load });
             }

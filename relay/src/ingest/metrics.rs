@@ -1,9 +1,9 @@
 //! The ingest's metrics (catalogue in `docs/metrics.md`).
 
-use super::rank::Health;
 use crate::drops::Tally;
 use crate::hashcheck::CheckCounts;
 use crate::model::Batch;
+use crate::model::RankHealth;
 use metrics::{counter, gauge};
 
 pub fn batch(rank: u32, b: &Batch, drops: &Tally, rewrites: &Tally, refilled: bool) {
@@ -57,10 +57,18 @@ pub fn restart(rank: u32) {
     counter!("kv_relay_publisher_restarts_total", "rank" => rank.to_string()).increment(1);
 }
 
-pub fn rank_health(rank: u32, h: Health) {
+pub fn rank_health(rank: u32, h: &RankHealth) {
     let r = rank.to_string();
-    gauge!("kv_relay_rank_degraded", "rank" => r.clone()).set(if h == Health::Degraded { 1.0 } else { 0.0 });
-    gauge!("kv_relay_rank_incomplete", "rank" => r).set(if h == Health::Incomplete { 1.0 } else { 0.0 });
+    gauge!("kv_relay_rank_degraded", "rank" => r.clone()).set(if matches!(h, RankHealth::Degraded { .. }) {
+        1.0
+    } else {
+        0.0
+    });
+    gauge!("kv_relay_rank_incomplete", "rank" => r).set(if matches!(h, RankHealth::Incomplete { .. }) {
+        1.0
+    } else {
+        0.0
+    });
 }
 
 pub fn hash_check(rank: u32, c: &CheckCounts) {

@@ -18,7 +18,7 @@ mod sequencer;
 mod throttle;
 mod watched;
 
-pub use rank::{Health, IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
+pub use rank::{IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
 use crate::hashcheck::HashCheckConfig;
 use std::collections::BTreeMap;

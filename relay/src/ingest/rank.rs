@@ -38,14 +38,15 @@
 
 use super::metrics as m;
 use super::replay::{Heard, ReplayClient, ReplayError, Replayed};
-use super::sequencer::{self, Fill, Live, Primed, Sequencer};
+use super::sequencer::{Fill, Live, Primed, Sequencer};
 use super::throttle::Throttle;
 use super::watched::{open_sub, Watched};
 use super::{Closed, Sink};
 use crate::drops::Tally;
 use crate::hashcheck::{CheckCounts, HashCheckConfig, RankCheck};
-use crate::model::{Batch, Control, ControlKind};
+use crate::model::{Batch, Control, ControlKind, RankHealth};
 use crate::normalize::Normalizer;
+use crate::sync::Locked;
 use crate::wire;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -94,30 +95,10 @@ pub struct RankConfig {
     pub hash_check: Option<Arc<HashCheckConfig>>,
 }
 
-/// The rank's health as the relay knows it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Health {
-    #[default]
-    Ok,
-    Degraded,
-    Incomplete,
-}
-
-impl Health {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Health::Ok => "ok",
-            Health::Degraded => "degraded",
-            Health::Incomplete => "incomplete",
-        }
-    }
-}
-
 /// What the rank thread shares with status readers.
 #[derive(Debug, Clone, Default)]
 pub struct RankStatus {
-    pub health: Health,
-    pub reason: Option<String>,
+    pub health: RankHealth,
     /// Last engine seq handed on.
     pub last_seq: Option<u64>,
     /// Engine timestamp of that batch.
@@ -158,7 +139,7 @@ struct Rank {
     /// The block-hash check, when on.
     check: Option<RankCheck>,
     seq: Sequencer,
-    health: Health,
+    health: RankHealth,
     /// When the SUB socket last delivered a message: the rank is quiet `tail_probe` after it.
     last_live: Instant,
     /// The warnings of a dropped SUB connection, and of a replay cut short or not refilled
@@ -199,19 +180,19 @@ pub fn run(
         normalizer: Normalizer::new(),
         check,
         seq: Sequencer::new(resume),
-        health: Health::Ok,
+        health: RankHealth::Ok,
         last_live: Instant::now(),
         drop_warn: Throttle::default(),
         replay_warn: Throttle::default(),
     };
     {
-        let mut s = r.status.lock().expect("rank status");
+        let mut s = r.status.locked();
         s.last_seq = r.seq.last().map(|l| l.0);
         s.last_ts = r.seq.last().map(|l| l.1);
         s.hash_check = check_on.then(CheckCounts::default);
     }
     let result = r.main_loop(sub, resume, &stop);
-    r.status.lock().expect("rank status").stopped = true;
+    r.status.locked().stopped = true;
     result
 }
 
@@ -285,7 +266,7 @@ impl Rank {
     }
 
     fn update(&self, f: impl FnOnce(&mut RankStatus)) {
-        f(&mut self.status.lock().expect("rank status"));
+        f(&mut self.status.locked());
     }
 
     fn send(&mut self, item: IngestItem) -> Result<(), Closed> {
@@ -293,24 +274,11 @@ impl Rank {
     }
 
     fn control(&mut self, kind: ControlKind) -> Result<(), Closed> {
-        let reason = match &kind {
-            ControlKind::RankReset { reason }
-            | ControlKind::RankDegraded { reason }
-            | ControlKind::RankIncomplete { reason } => Some(reason.clone()),
-            ControlKind::RankRecovered => None,
-        };
-        self.health = sequencer::health_after(self.health, &kind);
-        let health = self.health;
+        self.health = self.health.after(&kind);
         tracing::warn!(dp_rank = self.rank(), ?kind, "rank state changed");
-        self.update(|s| {
-            s.health = health;
-            if health == Health::Ok {
-                s.reason = None;
-            } else if reason.is_some() && !matches!(kind, ControlKind::RankReset { .. }) {
-                s.reason = reason;
-            }
-        });
-        m::rank_health(self.rank(), health);
+        let health = self.health.clone();
+        m::rank_health(self.rank(), &health);
+        self.update(|s| s.health = health);
         self.send(IngestItem::Control(Control { dp_rank: self.rank(), kind }))
     }
 
@@ -325,7 +293,7 @@ impl Rank {
         self.update(|s| s.restarts += 1);
         m::restart(self.rank());
         self.control(ControlKind::RankReset { reason })?;
-        if self.health != Health::Ok {
+        if !self.health.is_ok() {
             self.control(ControlKind::RankRecovered)?;
         }
         Ok(())
@@ -374,7 +342,7 @@ impl Rank {
             }
         });
         self.send(IngestItem::Batch { batch: n.batch, drops: n.drops, refilled })?;
-        if clears && self.health != Health::Ok {
+        if clears && !self.health.is_ok() {
             self.control(ControlKind::RankRecovered)?;
         }
         Ok(())
@@ -540,7 +508,7 @@ impl Rank {
             None => !got.is_empty(),
         };
         let status = |r: &Self| {
-            let s = r.status.lock().expect("rank status");
+            let s = r.status.locked();
             (s.batches, s.restarts)
         };
         let (before, restarts) = status(self);
@@ -597,7 +565,7 @@ impl Rank {
         self.replay.fetch(&self.ctx, from, out, |heard| match heard {
             Heard::Cut(seq) => {
                 m::replay_cut(rank);
-                status.lock().expect("rank status").replay_cuts += 1;
+                status.locked().replay_cuts += 1;
                 if let Some(held_back) = warn.pass(Instant::now()) {
                     tracing::warn!(
                         dp_rank = rank,
@@ -611,7 +579,7 @@ impl Rank {
             }
             Heard::Bad(e) => {
                 m::message_error(rank, e);
-                status.lock().expect("rank status").message_errors += 1;
+                status.locked().message_errors += 1;
             }
         })
     }

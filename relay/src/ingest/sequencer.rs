@@ -1,14 +1,14 @@
 //! The ordering rules of one rank's batches, without I/O: given a batch's seq and timestamp,
 //! and what the replay socket answered, which batches are handed on, which are dropped as
-//! duplicates, which are lost, and when the publisher restarted. The rank's thread
+//! duplicates, which are lost, and when the publisher restarted (the rank's health after a
+//! control is [`crate::model::RankHealth::after`]). The rank's thread
 //! (`rank.rs`) does what these say; the rules are those of its module docs.
 //!
 //! A rank's position is the last batch handed on: its seq and its engine timestamp. The
 //! timestamp tells a batch of the same publisher from one of a restarted publisher with the
 //! same seq (every release restarts its seqs at 0).
 
-use super::rank::{Health, Resume};
-use crate::model::ControlKind;
+use super::rank::Resume;
 use std::collections::VecDeque;
 use std::ops::Range;
 
@@ -177,17 +177,6 @@ impl Sequencer {
     }
 }
 
-/// The rank's health after a change of its state: degraded wins over incomplete, and only a
-/// recovery (an `AllBlocksCleared`, or a publisher restart) makes it ok again.
-pub(super) fn health_after(health: Health, kind: &ControlKind) -> Health {
-    match kind {
-        ControlKind::RankDegraded { .. } => Health::Degraded,
-        ControlKind::RankIncomplete { .. } if health == Health::Ok => Health::Incomplete,
-        ControlKind::RankRecovered => Health::Ok,
-        ControlKind::RankIncomplete { .. } | ControlKind::RankReset { .. } => health,
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -275,27 +264,6 @@ mod tests {
         assert_eq!(s.last(), Some((6, 1.0)));
         assert_eq!(Sequencer::new(None).resume(), None);
         assert_eq!(s.resume(), Some(Resume { last_seq: 6, last_ts: 1.0 }));
-    }
-
-    #[test]
-    fn degraded_wins_over_incomplete_and_only_a_recovery_clears_either() {
-        let reason = String::new;
-        let degraded = ControlKind::RankDegraded { reason: reason() };
-        let incomplete = ControlKind::RankIncomplete { reason: reason() };
-        let reset = ControlKind::RankReset { reason: reason() };
-        let cases = [
-            (Health::Ok, &degraded, Health::Degraded),
-            (Health::Ok, &incomplete, Health::Incomplete),
-            (Health::Ok, &reset, Health::Ok),
-            (Health::Incomplete, &degraded, Health::Degraded),
-            (Health::Degraded, &incomplete, Health::Degraded),
-            (Health::Degraded, &reset, Health::Degraded),
-            (Health::Degraded, &ControlKind::RankRecovered, Health::Ok),
-            (Health::Incomplete, &ControlKind::RankRecovered, Health::Ok),
-        ];
-        for (before, kind, after) in cases {
-            assert_eq!(health_after(before, kind), after, "{before:?} then {kind:?}");
-        }
     }
 
     /// One step of the model: the engine publishes or restarts; the rank reads its SUB socket,

@@ -7,7 +7,7 @@
 
 use crate::model::{
     Batch, Block, Bytes, Cleared, Control, ControlKind, EngineState, Event, Group, KeyPart, Liveness, Load, MapParts,
-    Namespace, Record, RecordBody, Removed, Stored, Tier, TokenLayout,
+    Namespace, RankHealth, Record, RecordBody, Removed, Stored, Tier, TokenLayout,
 };
 use crate::store::SnapshotBlock;
 use kv_relay_proto::pb;
@@ -415,6 +415,17 @@ pub fn snapshot_block_from_pb(b: &pb::SnapshotBlock) -> Result<SnapshotBlock, Co
             Err(_) => return Err(ConvertError::UnknownEnum { field: "token_layout", value: b.token_layout }),
         },
     })
+}
+
+/// A rank's health as the contract says it; a rank whose thread stopped is `Stopped`, whatever
+/// its health.
+pub fn rank_state_to_pb(health: &RankHealth, stopped: bool) -> pb::RankState {
+    match (stopped, health) {
+        (true, _) => pb::RankState::Stopped,
+        (false, RankHealth::Ok) => pb::RankState::Ok,
+        (false, RankHealth::Degraded { .. }) => pb::RankState::Degraded,
+        (false, RankHealth::Incomplete { .. }) => pb::RankState::Incomplete,
+    }
 }
 
 #[cfg(test)]

@@ -11,11 +11,11 @@
 pub mod convert;
 pub mod encode;
 mod guard;
-pub mod status;
+
 mod stream;
 
+pub use crate::status::{notice_channel, Notice, RankStatus, RelayStatus, RelayStatusHandle};
 pub use guard::RETRY_AFTER_MS;
-pub use status::{notice_channel, HashCheckCounts, Notice, RankState, RankStatus, RelayStatus, RelayStatusHandle};
 
 use crate::model::Tier;
 use crate::store::{CursorCheck, SnapshotFilter, Store};
@@ -305,23 +305,17 @@ impl Relay for RelayService {
             .ranks
             .iter()
             .map(|(&r, s)| {
-                let state = match s.state {
-                    RankState::Ok => pb::RankState::Ok,
-                    RankState::Degraded => pb::RankState::Degraded,
-                    RankState::Incomplete => pb::RankState::Incomplete,
-                    RankState::Stopped => pb::RankState::Stopped,
-                };
                 let rs = pb::RankStatus {
                     dp_rank: r,
-                    state: state as i32,
-                    reason: s.reason.clone(),
+                    state: convert::rank_state_to_pb(&s.health, s.stopped) as i32,
+                    reason: s.health.reason().to_string(),
                     last_engine_seq: s.last_engine_seq,
                     lag_ms: s.lag_ms,
                     load: s.load.as_ref().map(convert::load_to_pb),
-                    hash_check: s.hash_check.map(|h| pb::HashCheckStatus {
+                    hash_check: s.hash_check.as_ref().map(|h| pb::HashCheckStatus {
                         checked_blocks: h.checked,
                         mismatched_blocks: h.mismatched,
-                        skipped_blocks: h.skipped,
+                        skipped_blocks: h.skipped_total(),
                         mismatch_rate: h.mismatch_rate(),
                     }),
                     liveness: s.liveness.as_ref().map(convert::liveness_to_pb),
@@ -332,22 +326,15 @@ impl Relay for RelayService {
         // Ranks the store has committed that the ingest has not reported (yet): their state from
         // the history's control records.
         for (r, rc) in self.store.rank_states() {
-            ranks.entry(r).or_insert_with(|| {
-                let (state, reason) = match &rc.health {
-                    crate::store::RankHealth::Ok => (pb::RankState::Ok, String::new()),
-                    crate::store::RankHealth::Degraded { reason } => (pb::RankState::Degraded, reason.clone()),
-                    crate::store::RankHealth::Incomplete { reason } => (pb::RankState::Incomplete, reason.clone()),
-                };
-                pb::RankStatus {
-                    dp_rank: r,
-                    state: state as i32,
-                    reason,
-                    last_engine_seq: rc.last_seq.unwrap_or(0),
-                    lag_ms: 0,
-                    load: None,
-                    hash_check: None,
-                    liveness: None,
-                }
+            ranks.entry(r).or_insert_with(|| pb::RankStatus {
+                dp_rank: r,
+                state: convert::rank_state_to_pb(&rc.health, false) as i32,
+                reason: rc.health.reason().to_string(),
+                last_engine_seq: rc.last_seq.unwrap_or(0),
+                lag_ms: 0,
+                load: None,
+                hash_check: None,
+                liveness: None,
             });
         }
         let mut counters: std::collections::HashMap<String, u64> = st.counters.into_iter().collect();

@@ -20,8 +20,8 @@
 
 use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
 use super::encode::subscribe_bytes;
-use super::status::{Notice, RelayStatusHandle};
 use super::ServerConfig;
+use crate::status::{Notice, RelayStatusHandle};
 use crate::store::{Committed, SnapshotFilter, Store, StoreError};
 use kv_relay_proto::encoded::SubscribeOut;
 use kv_relay_proto::pb;

@@ -4,6 +4,7 @@
 
 use super::error::{count, StoreError};
 use super::{checkpoint, CheckpointState, Shared, Snapshot, SnapshotFilter, Store};
+use crate::sync::Locked;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
@@ -14,7 +15,7 @@ impl Store {
     pub fn checkpoint_now(&self) -> Result<CheckpointState, StoreError> {
         let sh = &*self.inner.shared;
         loop {
-            let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
+            let mut c = sh.checkpoints.locked();
             if !c.running {
                 c.running = true;
                 break;
@@ -39,7 +40,7 @@ pub(super) fn run_checkpoint(sh: &Shared) {
 /// the log it covers go. See "Checkpoints and recovery".
 fn checkpoint_once(sh: &Shared) -> Result<CheckpointState, StoreError> {
     let out = write_checkpoint(sh);
-    sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner()).running = false;
+    sh.checkpoints.locked().running = false;
     out
 }
 
@@ -49,10 +50,10 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
     // The snapshot is registered under the commit lock, so the log's position, the ranks' and
     // the live set's cursor are the same.
     let (snap, ranks, id) = {
-        let w = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let w = sh.writer.locked();
         w.usable("checkpoint", dir)?;
         let snap = Snapshot::open(&sh.live, &SnapshotFilter::all(), sh.epoch, sh.incarnation);
-        let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = sh.checkpoints.locked();
         c.began = (snap.cursor, w.appended);
         let id = c.next_id;
         c.next_id += 1;
@@ -65,10 +66,10 @@ fn write_checkpoint(sh: &Shared) -> Result<CheckpointState, StoreError> {
     sh.sync_log("checkpoint")?;
     // Durable: the previous checkpoint and the log this one covers may go.
     let previous = {
-        let mut c = sh.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = sh.checkpoints.locked();
         c.last.replace(CheckpointState { id: m.id, cursor: m.cursor, bytes: m.bytes })
     };
-    sh.writer.lock().unwrap_or_else(|p| p.into_inner()).floor = m.cursor;
+    sh.writer.locked().floor = m.cursor;
     if let Some(old) = previous {
         if let Err(e) = checkpoint::remove(&folder, old.id) {
             // Harmless but for its space: the next open removes it.

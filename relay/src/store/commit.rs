@@ -4,8 +4,9 @@
 use super::codec::encode_record;
 use super::error::{count, StoreError};
 use super::log::{self, Writer};
-use super::{Committed, RankCursor, RankHealth, Store, View};
+use super::{Committed, RankCursor, Store, View};
 use crate::model::{ControlKind, Event, Record, RecordBody, Tier};
+use crate::sync::{Locked, ReadWrite};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -49,7 +50,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let sh = &*inner.shared;
-        let mut guard = sh.writer.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = sh.writer.locked();
         let w = &mut *guard;
         w.usable("commit", &sh.dir)?;
         let mut counters = w.counters;
@@ -96,7 +97,7 @@ impl Store {
         let trimmed = log::trim(&mut counters, inner.limits, &w.sizes, &added);
         // Written: apply to the live set, then publish.
         {
-            let mut live = sh.live.lock().unwrap_or_else(|p| p.into_inner());
+            let mut live = sh.live.locked();
             for c in committed.iter() {
                 live.apply(c.record.cursor, &c.record.body);
             }
@@ -108,17 +109,17 @@ impl Store {
         w.appended += added.iter().sum::<u64>();
         w.counters = counters;
         w.ranks.extend(ranks);
-        inner.recent.write().unwrap_or_else(|p| p.into_inner()).push(committed.iter().cloned(), counters.oldest);
-        *inner.shared.view.write().unwrap_or_else(|p| p.into_inner()) = View { counters, ranks: w.ranks.clone() };
+        inner.recent.writing().push(committed.iter().cloned(), counters.oldest);
+        *inner.shared.view.writing() = View { counters, ranks: w.ranks.clone() };
         let due = self.checkpoint_due(w);
         let keep = w.keep_from();
         drop(guard);
-        if sh.log.read().unwrap_or_else(|p| p.into_inner()).removable(keep) {
+        if sh.log.reading().removable(keep) {
             sh.prune_log_before(keep);
         }
         inner.newest_tx.send_replace(counters.newest);
         if due {
-            if let Some(tx) = &*inner.checkpoint_tx.lock().unwrap_or_else(|p| p.into_inner()) {
+            if let Some(tx) = &*inner.checkpoint_tx.locked() {
                 let _ = tx.try_send(());
             }
         }
@@ -128,7 +129,7 @@ impl Store {
     /// Whether a checkpoint should begin now ([`CheckpointPolicy`]); marks it running if so.
     fn checkpoint_due(&self, w: &Writer) -> bool {
         let inner = &*self.inner;
-        let mut c = inner.shared.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = inner.shared.checkpoints.locked();
         if c.running {
             return false;
         }
@@ -180,9 +181,7 @@ pub(super) fn rank_after(row: &mut RankCursor, cursor: u64, body: &RecordBody) {
         RecordBody::Batch { batch, .. } => (row.last_seq, row.last_ts) = (Some(batch.seq), Some(batch.ts)),
         RecordBody::Control(c) => match &c.kind {
             ControlKind::RankReset { .. } => (row.last_seq, row.last_ts) = (None, None),
-            ControlKind::RankDegraded { reason } => row.health = RankHealth::Degraded { reason: reason.clone() },
-            ControlKind::RankIncomplete { reason } => row.health = RankHealth::Incomplete { reason: reason.clone() },
-            ControlKind::RankRecovered => row.health = RankHealth::Ok,
+            kind => row.health = row.health.after(kind),
         },
     }
 }

@@ -39,6 +39,7 @@
 use super::codec::Counters;
 use super::error::{count, StoreError};
 use super::types::{HistoryLimits, RankCursor};
+use crate::sync::ReadWrite;
 use std::collections::{BTreeMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -393,7 +394,7 @@ impl Active {
         let base = self.len;
         self.len += frame.len() as u64;
         self.dirty = true;
-        let mut ix = index.write().unwrap_or_else(|p| p.into_inner());
+        let mut ix = index.writing();
         if ix.entries.is_empty() {
             ix.start = first;
         }
@@ -404,7 +405,7 @@ impl Active {
     /// Ends the active segment and begins one at cursor `first` (both synced by the next sync).
     fn rotate(&mut self, first: u64, index: &RwLock<LogIndex>) -> Result<(), (std::io::Error, bool)> {
         let file = Arc::new(create_segment(&self.folder, self.epoch, first).map_err(|e| (e, false))?);
-        index.write().unwrap_or_else(|p| p.into_inner()).segments.push_back(Segment { first, file: file.clone() });
+        index.writing().segments.push_back(Segment { first, file: file.clone() });
         let ended = std::mem::replace(&mut self.file, file);
         self.unsynced.push(ended);
         (self.first, self.len, self.dirty) = (first, HEADER, true);
@@ -437,7 +438,7 @@ pub(crate) fn remove_before(keep: u64, index: &RwLock<LogIndex>, folder: &Path) 
     let mut removed = 0;
     loop {
         let first = {
-            let mut ix = index.write().unwrap_or_else(|p| p.into_inner());
+            let mut ix = index.writing();
             if !ix.removable(keep) {
                 break;
             }

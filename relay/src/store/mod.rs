@@ -66,6 +66,7 @@ mod snapshot;
 mod types;
 mod v1;
 
+pub use crate::model::RankHealth;
 pub use error::StoreError;
 pub use identity::FORMAT_VERSION;
 pub use log::SYNC_EVERY;
@@ -73,9 +74,10 @@ pub use recent::{Committed, RecentLimits};
 pub use snapshot::{Snapshot, SnapshotBlock, SnapshotFilter};
 pub use types::{
     CheckpointPolicy, CheckpointState, CursorCheck, HistoryLimits, HistoryStats, LiveGroupSummary, LiveStats,
-    RankCursor, RankHealth, StoreConfig,
+    RankCursor, StoreConfig,
 };
 
+use crate::sync::Locked;
 use codec::Counters;
 use error::count;
 use live_set::LiveSet;
@@ -130,14 +132,14 @@ struct Shared {
 
 impl Shared {
     fn failed(&self) -> bool {
-        self.writer.lock().unwrap_or_else(|p| p.into_inner()).failed.is_some()
+        self.writer.locked().failed.is_some()
     }
 
     /// Syncs the log's active segment (the older ones were synced when they ended): every commit
     /// so far is on the disk. Commits go on meanwhile. A failed sync fails the store.
     fn sync_log(&self, op: &'static str) -> Result<(), StoreError> {
         let (files, folder) = {
-            let mut w = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = self.writer.locked();
             w.usable(op, &self.dir)?;
             let (files, begun) = w.log.take_unsynced();
             (files, begun.then(|| w.log.folder().to_path_buf()))
@@ -148,13 +150,13 @@ impl Shared {
         });
         synced.map_err(|e| {
             let e = StoreError::io(op, &self.dir, e);
-            self.writer.lock().unwrap_or_else(|p| p.into_inner()).fail(op, e)
+            self.writer.locked().fail(op, e)
         })
     }
 
     /// Removes the log's segments that neither the history nor recovery needs.
     fn prune_log(&self) {
-        let keep = self.writer.lock().unwrap_or_else(|p| p.into_inner()).keep_from();
+        let keep = self.writer.locked().keep_from();
         self.prune_log_before(keep);
     }
 
@@ -188,9 +190,9 @@ impl Drop for Inner {
     fn drop(&mut self) {
         let sh = &self.shared;
         sh.closing.store(true, Ordering::Relaxed);
-        drop(self.checkpoint_tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        drop(self.sync_tx.lock().unwrap_or_else(|p| p.into_inner()).take());
-        for h in self.threads.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        drop(self.checkpoint_tx.locked().take());
+        drop(self.sync_tx.locked().take());
+        for h in self.threads.locked().drain(..) {
             let _ = h.join();
         }
         if !sh.failed() {

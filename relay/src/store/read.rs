@@ -9,17 +9,18 @@ use super::{
     SnapshotFilter, Store, View,
 };
 use crate::model::Record;
+use crate::sync::{Locked, ReadWrite};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use tokio::sync::watch;
 
 impl Store {
     fn view(&self) -> View {
-        self.inner.shared.view.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.inner.shared.view.reading().clone()
     }
 
     fn counters(&self) -> Counters {
-        self.inner.shared.view.read().unwrap_or_else(|p| p.into_inner()).counters
+        self.inner.shared.view.reading().counters
     }
 
     /// The newest committed cursor; 0 when nothing was ever committed.
@@ -54,7 +55,7 @@ impl Store {
     /// [`Store::history`] from memory, without blocking: `None` when some of the records asked
     /// for are older than the tail kept in memory ([`StoreConfig::recent`](super::StoreConfig::recent)).
     pub fn recent(&self, after: u64, limit: usize) -> Option<Vec<Arc<Committed>>> {
-        self.inner.recent.read().unwrap_or_else(|p| p.into_inner()).after(after, limit)
+        self.inner.recent.reading().after(after, limit)
     }
 
     pub(super) fn history_from_disk(&self, after: u64, limit: usize) -> Result<Vec<Record>, StoreError> {
@@ -66,7 +67,7 @@ impl Store {
             return Ok(Vec::new());
         }
         let limit = limit.min((c.newest - from + 1) as usize);
-        let found = self.inner.shared.log.read().unwrap_or_else(|p| p.into_inner()).locate(from, limit);
+        let found = self.inner.shared.log.reading().locate(from, limit);
         let bytes = log::read_located(&found).map_err(|e| count("history", StoreError::io("history", dir, e)))?;
         bytes
             .iter()
@@ -80,7 +81,7 @@ impl Store {
 
     pub fn history_stats(&self) -> HistoryStats {
         let c = self.counters();
-        let log_oldest = self.inner.shared.log.read().unwrap_or_else(|p| p.into_inner()).oldest();
+        let log_oldest = self.inner.shared.log.reading().oldest();
         HistoryStats {
             batches: c.hist_batches,
             bytes: c.hist_bytes,
@@ -107,7 +108,7 @@ impl Store {
 
     /// Where the rank's ingest stood at its last commit; `None` for a rank never committed.
     pub fn rank_state(&self, dp_rank: u32) -> Option<RankCursor> {
-        self.inner.shared.view.read().unwrap_or_else(|p| p.into_inner()).ranks.get(&dp_rank).cloned()
+        self.inner.shared.view.reading().ranks.get(&dp_rank).cloned()
     }
 
     /// Every rank ever committed, with its state.
@@ -118,13 +119,13 @@ impl Store {
     /// Totals per (rank, tier, group) of the live blocks, in that order, at the newest cursor
     /// applied.
     pub fn live_summary(&self) -> Vec<LiveGroupSummary> {
-        let live = self.inner.shared.live.lock().unwrap_or_else(|p| p.into_inner());
+        let live = self.inner.shared.live.locked();
         live.summary()
     }
 
     /// Totals of the whole live set.
     pub fn live_stats(&self) -> LiveStats {
-        let live = self.inner.shared.live.lock().unwrap_or_else(|p| p.into_inner());
+        let live = self.inner.shared.live.locked();
         let (blocks, copies) = live.summary().iter().fold((0, 0), |(b, c), g| (b + g.blocks, c + g.copies));
         LiveStats {
             blocks,
@@ -136,12 +137,12 @@ impl Store {
 
     /// The live set's heap bytes (maps, token slabs, namespaces), approximately.
     pub fn live_heap_bytes(&self) -> u64 {
-        self.inner.shared.live.lock().unwrap_or_else(|p| p.into_inner()).heap_bytes()
+        self.inner.shared.live.locked().heap_bytes()
     }
 
     /// The newest whole checkpoint: its cursor and bytes; `None` before the first.
     pub fn checkpoint_state(&self) -> Option<CheckpointState> {
-        let c = self.inner.shared.checkpoints.lock().unwrap_or_else(|p| p.into_inner());
+        let c = self.inner.shared.checkpoints.locked();
         c.last
     }
 

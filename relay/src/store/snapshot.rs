@@ -10,6 +10,7 @@
 use super::error::StoreError;
 use super::live_set::LiveSet;
 use crate::model::{Namespace, Tier, TokenLayout};
+use crate::sync::Locked;
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -117,7 +118,7 @@ impl Snapshot {
     /// Registers a snapshot of what `filter` selects in `live`, at its cursor.
     pub(crate) fn open(live: &Arc<Mutex<LiveSet>>, filter: &SnapshotFilter, epoch: u64, incarnation: u32) -> Snapshot {
         let started = std::time::Instant::now();
-        let mut l = live.lock().unwrap_or_else(|p| p.into_inner());
+        let mut l = live.locked();
         let (journal, blocks) = l.open_journal(filter);
         let (cursor, counts) = (l.cursor, (l.removed_not_live, l.stored_already_live));
         drop(l);
@@ -141,7 +142,7 @@ impl Snapshot {
     fn fill(&mut self, want: usize) {
         let mut buf = Vec::new();
         while !self.done && self.copied.len() < want {
-            let mut live = self.live.lock().unwrap_or_else(|p| p.into_inner());
+            let mut live = self.live.locked();
             self.done = live.copy(self.journal, COPY_STEP, &mut buf);
             drop(live);
             self.copied.extend(buf.drain(..));
@@ -152,7 +153,7 @@ impl Snapshot {
 impl Drop for Snapshot {
     fn drop(&mut self) {
         if self.journal != u64::MAX {
-            self.live.lock().unwrap_or_else(|p| p.into_inner()).close_journal(self.journal);
+            self.live.locked().close_journal(self.journal);
         }
     }
 }
@@ -164,7 +165,7 @@ impl Iterator for Snapshot {
         let n = self.chunk_blocks.max(1);
         self.fill(n);
         if self.done && self.journal != u64::MAX {
-            self.live.lock().unwrap_or_else(|p| p.into_inner()).close_journal(self.journal);
+            self.live.locked().close_journal(self.journal);
             self.journal = u64::MAX;
         }
         if self.copied.is_empty() {

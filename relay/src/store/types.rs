@@ -1,7 +1,7 @@
 //! The store's configuration and the values its readers return.
 
 use super::recent::RecentLimits;
-use crate::model::Tier;
+use crate::model::{RankHealth, Tier};
 use serde::{Deserialize, Serialize};
 use std::path::PathBuf;
 
@@ -96,20 +96,6 @@ pub enum CursorCheck {
     Lost,
     /// The record is durable but older than the history: resync from a snapshot.
     Trimmed,
-}
-
-/// A rank's condition as the last control record left it.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(tag = "health", rename_all = "snake_case")]
-pub enum RankHealth {
-    #[default]
-    Ok,
-    Degraded {
-        reason: String,
-    },
-    Incomplete {
-        reason: String,
-    },
 }
 
 /// Where a rank's ingest stood at its last commit: what a restarted relay resumes from.

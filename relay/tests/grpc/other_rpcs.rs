@@ -11,7 +11,7 @@ async fn history_status_and_snapshot_rpcs() {
     for r in &committed {
         apply(&mut truth, r);
     }
-    relay.status.set_rank_state(1, kv_relay::server::RankState::Degraded, "gap 5..9");
+    relay.status.set_rank_health(1, kv_relay::model::RankHealth::Degraded { reason: "gap 5..9".into() }, false);
     let mut client = relay.client().await;
 
     let mut h = client

@@ -35,12 +35,12 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::grace::Grace;
 use super::packed;
 use super::prefetch::prefetch;
-use super::Padded;
+use super::{lock, Padded};
 
 /// Entries per page: one `valid` word covers a page.
 pub(super) const PAGE: u32 = 64;
@@ -222,10 +222,6 @@ pub(super) struct Runs {
     /// every page.
     state: Padded<Mutex<PoolState>>,
     cursors: Box<[Mutex<Cursors>]>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 impl Default for Runs {

@@ -8,7 +8,8 @@
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
-use kv_relay::server::{HashCheckCounts, RelayStatusHandle};
+use kv_relay::hashcheck::CheckCounts;
+use kv_relay::server::RelayStatusHandle;
 use kv_relay_proto::hash::block_event_hashes;
 use kv_relay_testkit::engine::EngineConfig;
 use kv_relay_testkit::fixtures::{self, Fixture, HASH_CHECK_FIGURES};
@@ -172,7 +173,7 @@ async fn replay_through_relay_and_follower(name: &str) -> Outcome {
                 let st = st.get();
                 let n: u64 =
                     (0..ranks).map(|r| st.counters.get(&format!("rank{r}.batches")).copied().unwrap_or(0)).sum();
-                let hc: Option<Vec<HashCheckCounts>> = (0..ranks).map(|r| st.ranks.get(&r)?.hash_check).collect();
+                let hc: Option<Vec<CheckCounts>> = (0..ranks).map(|r| st.ranks.get(&r)?.hash_check.clone()).collect();
                 if n == pubs && hc.is_some() {
                     Ok(())
                 } else {
@@ -182,7 +183,7 @@ async fn replay_through_relay_and_follower(name: &str) -> Outcome {
             (0..ranks)
                 .map(|r| {
                     let h = st.rank(r).unwrap().hash_check.unwrap();
-                    (h.checked, h.mismatched, h.skipped)
+                    (h.checked, h.mismatched, h.skipped_total())
                 })
                 .collect()
         });

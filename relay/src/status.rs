@@ -1,46 +1,22 @@
-//! What the relay knows about its engine right now, shared between the ingest (which writes it)
-//! and the gRPC server (which reads it for `Status` and for heartbeats), and the live notices
-//! the ingest sends the streams.
+//! What the relay knows about its engine right now, in one place above the ingest and the
+//! commits (which write it) and the gRPC server (which reads it for `Status` and for
+//! heartbeats); and the live notices the ingest sends the streams.
 //!
 //! [`RelayStatusHandle`] is a cheap clone (an `Arc`); every setter takes the lock for a few
 //! field writes, never across an await, so the ingest's hot path pays a short uncontended lock.
 
-use crate::model::{Liveness, Load};
+use crate::hashcheck::CheckCounts;
+use crate::model::{Liveness, Load, RankHealth};
+use crate::sync::Locked;
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
-
-/// A rank's state as the relay knows it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum RankState {
-    /// Following the rank; nothing missed.
-    #[default]
-    Ok,
-    /// A gap could not be refilled: stale blocks may be held.
-    Degraded,
-    /// Blocks announced before the relay came up may be missing.
-    Incomplete,
-    /// The rank's publisher is not being followed (stopped, unreachable).
-    Stopped,
-}
-
-impl RankState {
-    /// The state's name: `ok`, `degraded`, `incomplete`, `stopped`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RankState::Ok => "ok",
-            RankState::Degraded => "degraded",
-            RankState::Incomplete => "incomplete",
-            RankState::Stopped => "stopped",
-        }
-    }
-}
 
 /// One rank's status.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RankStatus {
-    pub state: RankState,
-    /// Why the rank is not `Ok` (empty when it is).
-    pub reason: String,
+    pub health: RankHealth,
+    /// The rank's thread has stopped (shutdown, or the engine is gone): not followed.
+    pub stopped: bool,
     /// The last engine seq committed for the rank.
     pub last_engine_seq: u64,
     /// Engine timestamp to commit, of the last batch, in milliseconds.
@@ -48,28 +24,9 @@ pub struct RankStatus {
     /// The engine's latest load as seen for this rank.
     pub load: Option<Load>,
     /// What the block-hash check found; `None` when the check is off.
-    pub hash_check: Option<HashCheckCounts>,
+    pub hash_check: Option<CheckCounts>,
     /// The engine's liveness for this rank; `None` when it is not watched.
     pub liveness: Option<Liveness>,
-}
-
-/// A rank's block-hash check so far (see [`crate::hashcheck`]).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct HashCheckCounts {
-    pub checked: u64,
-    pub mismatched: u64,
-    pub skipped: u64,
-}
-
-impl HashCheckCounts {
-    /// Mismatched over checked blocks; 0 when none was checked.
-    pub fn mismatch_rate(&self) -> f64 {
-        if self.checked == 0 {
-            0.0
-        } else {
-            self.mismatched as f64 / self.checked as f64
-        }
-    }
 }
 
 /// A point-in-time copy of the relay's status.
@@ -100,7 +57,7 @@ impl RelayStatusHandle {
 
     fn lock(&self) -> MutexGuard<'_, RelayStatus> {
         // A panic while holding this lock leaves plain data behind: keep serving it.
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+        self.inner.locked()
     }
 
     /// A copy of the whole status.
@@ -126,12 +83,11 @@ impl RelayStatusHandle {
         }
     }
 
-    /// Sets a rank's state and the reason (empty for `Ok`).
-    pub fn set_rank_state(&self, dp_rank: u32, state: RankState, reason: impl Into<String>) {
-        let reason = reason.into();
+    /// Sets a rank's health, and whether its thread has stopped.
+    pub fn set_rank_health(&self, dp_rank: u32, health: RankHealth, stopped: bool) {
         self.update_rank(dp_rank, |r| {
-            r.state = state;
-            r.reason = reason;
+            r.health = health;
+            r.stopped = stopped;
         });
     }
 
@@ -144,7 +100,7 @@ impl RelayStatusHandle {
     }
 
     /// Sets what a rank's block-hash check found (`None`: the check is off).
-    pub fn set_hash_check(&self, dp_rank: u32, counts: Option<HashCheckCounts>) {
+    pub fn set_hash_check(&self, dp_rank: u32, counts: Option<CheckCounts>) {
         self.update_rank(dp_rank, |r| r.hash_check = counts);
     }
 
@@ -204,7 +160,7 @@ pub enum Notice {
 /// that lags further drops the oldest (bounded memory, shared by every stream).
 pub const NOTICE_CAPACITY: usize = 256;
 
-/// Makes the notice channel the ingest sends into and [`super::serve`] reads from.
+/// Makes the notice channel the ingest sends into and [`crate::server::serve`] reads from.
 pub fn notice_channel() -> tokio::sync::broadcast::Sender<Notice> {
     tokio::sync::broadcast::channel(NOTICE_CAPACITY).0
 }
