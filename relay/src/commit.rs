@@ -18,6 +18,7 @@
 
 use crate::ingest::{self, liveness::Livenesses, load::Loads, Closed, IngestItem, Sink};
 use crate::model::{Control, ControlKind, RankHealth, RecordBody};
+use crate::shutdown::Shutdown;
 use crate::status::RelayStatusHandle;
 use crate::store::{Store, StoreError};
 use crate::sync::{Locked, ReadWrite};
@@ -46,9 +47,11 @@ pub struct Commits {
     liveness: Livenesses,
     status: RelayStatusHandle,
     failed: Arc<Failure>,
-    /// Set when the relay stops: a commit the store refuses is given up instead of retried
-    /// ([`Commits::stop_retrying`]).
-    stopping: Arc<AtomicBool>,
+    /// Set when the relay stops: a commit the store refuses (a full disk) is then given up
+    /// instead of retried, so that the ranks' threads stop. Its records were never served, and
+    /// the store's cursors do not include them: the engine's replay refills them at the next
+    /// start, as after a crash.
+    stopping: Shutdown,
 }
 
 /// The store failed for good: the error, and a watch the daemon waits on to stop.
@@ -59,18 +62,16 @@ struct Failure {
 }
 
 impl Commits {
-    pub fn new(store: Store, loads: Arc<RwLock<Loads>>, liveness: Livenesses, status: RelayStatusHandle) -> Commits {
+    pub fn new(
+        store: Store,
+        loads: Arc<RwLock<Loads>>,
+        liveness: Livenesses,
+        status: RelayStatusHandle,
+        stopping: Shutdown,
+    ) -> Commits {
         let failed =
             Failure { set: AtomicBool::new(false), error: Mutex::default(), tx: tokio::sync::watch::channel(false).0 };
-        Commits { store, loads, liveness, status, failed: Arc::new(failed), stopping: Arc::default() }
-    }
-
-    /// The relay is stopping: a commit the store refuses (a full disk) is no longer retried,
-    /// so that the ranks' threads stop. Its records were never served, and the store's cursors
-    /// do not include them: the engine's replay refills them at the next start, as after a
-    /// crash.
-    pub fn stop_retrying(&self) {
-        self.stopping.store(true, Ordering::Release);
+        Commits { store, loads, liveness, status, failed: Arc::new(failed), stopping }
     }
 
     /// Becomes `true` when the store failed for good.
@@ -208,7 +209,7 @@ impl Sink for RankCommitter {
 
 impl RankCommitter {
     fn stopping(&self) -> bool {
-        self.commits.stopping.load(Ordering::Acquire)
+        self.commits.stopping.is_shutdown()
     }
 }
 
@@ -283,6 +284,7 @@ fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelaySta
 mod tests {
     use super::*;
     use crate::model::{Batch, Block, Event, Group, Namespace, Stored, Tier, TokenLayout};
+    use crate::shutdown::ShutdownTrigger;
     use crate::store::StoreConfig;
 
     fn stored(seq: u64, tier: Tier, hash: u64) -> IngestItem {
@@ -333,7 +335,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(StoreConfig::new(dir.path())).unwrap();
         let status = RelayStatusHandle::new("test");
-        let mut sink = Commits::new(store.clone(), Arc::default(), Arc::default(), status.clone()).for_rank(1, 8);
+        let stop = ShutdownTrigger::new();
+        let mut sink = Commits::new(store.clone(), Arc::default(), Arc::default(), status.clone(), stop.subscribe())
+            .for_rank(1, 8);
         // Held until the flush: the three go to the store as one group.
         for item in
             [stored(10, Tier::Device, 1), stored(11, Tier::Other("m".repeat(70_000)), 2), stored(12, Tier::Device, 3)]
@@ -366,7 +370,14 @@ mod tests {
     fn a_full_group_is_committed_and_ranks_commit_side_by_side() {
         let dir = tempfile::tempdir().unwrap();
         let store = Store::open(StoreConfig::new(dir.path())).unwrap();
-        let commits = Commits::new(store.clone(), Arc::default(), Arc::default(), RelayStatusHandle::new("test"));
+        let stop = ShutdownTrigger::new();
+        let commits = Commits::new(
+            store.clone(),
+            Arc::default(),
+            Arc::default(),
+            RelayStatusHandle::new("test"),
+            stop.subscribe(),
+        );
         let mut one = commits.for_rank(1, 3);
         one.put(stored(0, Tier::Device, 1)).unwrap();
         one.put(stored(1, Tier::Device, 2)).unwrap();

@@ -18,6 +18,7 @@ use crate::ingest::liveness::{Livenesses, Progress};
 use crate::ingest::{self, load::Loads, Ingest, Resume};
 use crate::model::Load;
 use crate::server::{self, ServerConfig};
+use crate::shutdown::{Shutdown, ShutdownTrigger};
 use crate::status::{notice_channel, Notice, RelayStatusHandle};
 use crate::store::{CheckpointPolicy, HistoryLimits, Store, StoreConfig, StoreError};
 use crate::sync::{Locked, ReadWrite};
@@ -110,7 +111,9 @@ pub async fn run(
     let notices = notice_channel();
     // Each rank's thread commits its own batches; set when the store failed for good (see
     // `commit::STORE_FAILED_EXIT_AFTER`).
-    let commits = Commits::new(store.clone(), loads.clone(), liveness.clone(), status.clone());
+    // The one stop of the daemon's tasks, and of the commits' retries, set once the server is done.
+    let stop = ShutdownTrigger::new();
+    let commits = Commits::new(store.clone(), loads.clone(), liveness.clone(), status.clone(), stop.subscribe());
     let mut failed_rx = commits.failed();
     let ctx = zmq::Context::new();
     let group = cfg.ingest.group_batches;
@@ -121,11 +124,10 @@ pub async fn run(
             _ = failed_rx.wait_for(|f| *f) => {}
         }
     };
-    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = Vec::new();
     if let Some(url) = cfg.engine_metrics_url.clone() {
         let scrape = Scrape { url, every: cfg.load_poll, loads: loads.clone(), progress: progress.clone() };
-        tasks.push(tokio::spawn(scrape_loop(scrape, status.clone(), stop_rx.clone())));
+        tasks.push(tokio::spawn(scrape_loop(scrape, status.clone(), stop.subscribe())));
     }
     if let Some(lc) = cfg.liveness.clone() {
         let watch = crate::watch::Watch {
@@ -137,29 +139,29 @@ pub async fn run(
             status: status.clone(),
             notices: notices.clone(),
         };
-        tasks.push(tokio::spawn(watch.run(stop_rx.clone())));
+        tasks.push(tokio::spawn(watch.run(stop.subscribe())));
     }
     tasks.push(tokio::spawn(heartbeat_loop(
         cfg.heartbeat,
         ingest.status.clone(),
         loads.clone(),
         notices.clone(),
-        stop_rx.clone(),
+        stop.subscribe(),
     )));
-    tasks.push(tokio::spawn(status_loop(ingest.status.clone(), status.clone(), stop_rx.clone())));
-    tasks.push(tokio::spawn(store_gauges_loop(store.clone(), status.clone(), stop_rx.clone())));
+    tasks.push(tokio::spawn(status_loop(ingest.status.clone(), status.clone(), stop.subscribe())));
+    tasks.push(tokio::spawn(store_gauges_loop(store.clone(), status.clone(), stop.subscribe())));
 
     on_ready(Running { store: store.clone(), status: status.clone(), listen });
     let server_cfg = ServerConfig { listen, ..cfg.server.clone() };
     let served = server::serve(server_cfg, store.clone(), status, notices, listener, shutdown).await;
 
-    let _ = stop_tx.send(true);
+    stop.trigger();
     for t in tasks {
         let _ = t.await;
     }
     // The rank threads commit what they hold and stop (a commit the store refuses, on a full
-    // disk, is given up rather than retried: the engine's replay refills it at the next start).
-    commits.stop_retrying();
+    // disk, is given up rather than retried once the stop is set: the engine's replay refills it
+    // at the next start).
     tokio::task::spawn_blocking(move || ingest.stop()).await.ok();
     if let Err(e) = store.flush() {
         tracing::error!(error = %e, "flushing the store at shutdown");
@@ -176,12 +178,12 @@ fn engine_name(cfg: &Config) -> String {
 
 /// Exports the store's and the server's sizes as gauges, every second: history size, live blocks
 /// and copies by rank, tier and group, and the subscribers connected.
-async fn store_gauges_loop(store: Store, status: RelayStatusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
+async fn store_gauges_loop(store: Store, status: RelayStatusHandle, mut stop: Shutdown) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut seen: std::collections::BTreeSet<(String, String, String)> = Default::default();
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             _ = tick.tick() => {}
         }
         let s = store.clone();
@@ -212,15 +214,11 @@ async fn store_gauges_loop(store: Store, status: RelayStatusHandle, mut stop: to
 }
 
 /// Copies the rank threads' view into the status the server reads, every 250 ms.
-async fn status_loop(
-    ranks: BTreeMap<u32, ingest::SharedRankStatus>,
-    status: RelayStatusHandle,
-    mut stop: tokio::sync::watch::Receiver<bool>,
-) {
+async fn status_loop(ranks: BTreeMap<u32, ingest::SharedRankStatus>, status: RelayStatusHandle, mut stop: Shutdown) {
     let mut tick = tokio::time::interval(Duration::from_millis(250));
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             _ = tick.tick() => {}
         }
         for (&rank, st) in &ranks {
@@ -254,14 +252,14 @@ struct Scrape {
     progress: Arc<Mutex<Progress>>,
 }
 
-async fn scrape_loop(sc: Scrape, status: RelayStatusHandle, mut stop: tokio::sync::watch::Receiver<bool>) {
+async fn scrape_loop(sc: Scrape, status: RelayStatusHandle, mut stop: Shutdown) {
     let Scrape { url, every, loads, progress } = sc;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             _ = tick.tick() => {}
         }
         match ingest::load::scrape(&url, every.max(Duration::from_secs(1))).await {
@@ -298,12 +296,12 @@ async fn heartbeat_loop(
     ranks: BTreeMap<u32, ingest::SharedRankStatus>,
     loads: Arc<RwLock<Loads>>,
     notices: broadcast::Sender<Notice>,
-    mut stop: tokio::sync::watch::Receiver<bool>,
+    mut stop: Shutdown,
 ) {
     let mut tick = tokio::time::interval(every);
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             _ = tick.tick() => {}
         }
         for (&rank, st) in &ranks {

@@ -46,6 +46,7 @@ pub mod model;
 pub mod normalize;
 pub mod notify;
 pub mod server;
+pub mod shutdown;
 pub mod status;
 pub mod store;
 mod sync;

@@ -8,6 +8,7 @@ use crate::config::LivenessConfig;
 use crate::ingest::liveness::{self, Activity, Judge, Livenesses, Probe, Progress};
 use crate::ingest::{self, load::Loads, SharedRankStatus};
 use crate::model::EngineState;
+use crate::shutdown::Shutdown;
 use crate::status::{Notice, RelayStatusHandle};
 use crate::sync::{Locked, ReadWrite};
 use std::collections::BTreeMap;
@@ -41,16 +42,16 @@ pub struct Watch {
 
 /// Probes the health endpoint every [`PROBE_EVERY`] (each probe waits at most the configured
 /// timeout), publishing each answer.
-async fn probe_loop(url: String, timeout: Duration, tx: watch::Sender<Option<Probe>>, mut stop: watch::Receiver<bool>) {
+async fn probe_loop(url: String, timeout: Duration, tx: watch::Sender<Option<Probe>>, mut stop: Shutdown) {
     let mut tick = tokio::time::interval(PROBE_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             _ = tick.tick() => {}
         }
         let p = tokio::select! {
-            _ = stop.changed() => return,
+            _ = stop.recv() => return,
             p = liveness::probe(&url, timeout) => p,
         };
         if p != Probe::Healthy {
@@ -65,8 +66,8 @@ async fn probe_loop(url: String, timeout: Duration, tx: watch::Sender<Option<Pro
 }
 
 impl Watch {
-    /// Runs until `stop` turns true.
-    pub async fn run(self, mut stop: watch::Receiver<bool>) {
+    /// Runs until `stop` is set.
+    pub async fn run(self, mut stop: Shutdown) {
         // Nothing is judged before the first probe answers; each answer that differs from the
         // last is judged when it comes, not at the next tick.
         let (probe_tx, mut probe_rx) = watch::channel(None);
@@ -77,7 +78,7 @@ impl Watch {
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tokio::select! {
-                _ = stop.changed() => break,
+                _ = stop.recv() => break,
                 _ = tick.tick() => {}
                 r = probe_rx.changed() => {
                     if r.is_err() {

@@ -67,7 +67,7 @@ pub struct FollowConfig {
     /// loses the oldest (it gets `Lagged`), the follower never waits for it.
     pub events_capacity: usize,
     /// At most this many relays are resynced at once (from their Subscribe until their first
-    /// message outside a snapshot); the others wait, their workers [`WorkerState::Syncing`].
+    /// message outside a snapshot); the others wait, their workers [`WorkerState::Syncing`](crate::worker::WorkerState::Syncing).
     /// Bounds the snapshots a starting router (or one back from a partition) pulls at once.
     /// 0 is taken as 1.
     pub max_concurrent_resyncs: usize,
@@ -372,7 +372,7 @@ impl Follower {
     }
 
     /// For a request's block hashes, every known worker that is ready (all but
-    /// [`WorkerState::Syncing`] ones), by relay then rank, with the leading blocks it holds (any
+    /// [`WorkerState::Syncing`](crate::worker::WorkerState::Syncing) ones), by relay then rank, with the leading blocks it holds (any
     /// tier, and per tier), its state and load. Workers holding none have `matched_blocks: 0`.
     /// [`Follower::matches`] is the same answer without a map of tier names per worker, and can
     /// list fewer workers.

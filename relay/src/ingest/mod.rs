@@ -21,8 +21,8 @@ mod watched;
 pub use rank::{IngestItem, RankConfig, RankStatus, Resume, SharedRankStatus};
 
 use crate::hashcheck::HashCheckConfig;
+use crate::shutdown::ShutdownTrigger;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -135,7 +135,7 @@ impl IngestConfig {
 
 /// The running ingest: one thread per rank.
 pub struct Ingest {
-    stop: Arc<AtomicBool>,
+    stop: ShutdownTrigger,
     threads: Vec<JoinHandle<()>>,
     /// Each rank's status, for the status RPC and metrics.
     pub status: BTreeMap<u32, SharedRankStatus>,
@@ -150,14 +150,14 @@ impl Ingest {
         resume: &BTreeMap<u32, Resume>,
         mut sink_for: impl FnMut(u32) -> Box<dyn Sink>,
     ) -> Result<Ingest, endpoint::EndpointError> {
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = ShutdownTrigger::new();
         let mut status = BTreeMap::new();
         let mut threads = Vec::new();
         for rc in cfg.ranks()? {
             let st = SharedRankStatus::default();
             status.insert(rc.dp_rank, st.clone());
             let (ctx, out, stop, resume) =
-                (ctx.clone(), sink_for(rc.dp_rank), stop.clone(), resume.get(&rc.dp_rank).copied());
+                (ctx.clone(), sink_for(rc.dp_rank), stop.subscribe(), resume.get(&rc.dp_rank).copied());
             let rank = rc.dp_rank;
             let t = std::thread::Builder::new()
                 .name(format!("ingest-rank-{rank}"))
@@ -174,7 +174,7 @@ impl Ingest {
 
     /// Asks every rank thread to stop and waits for them.
     pub fn stop(self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.stop.trigger();
         for t in self.threads {
             let _ = t.join();
         }

@@ -46,9 +46,9 @@ use crate::drops::Tally;
 use crate::hashcheck::{CheckCounts, HashCheckConfig, RankCheck};
 use crate::model::{Batch, Control, ControlKind, RankHealth};
 use crate::normalize::Normalizer;
+use crate::shutdown::Shutdown;
 use crate::sync::Locked;
 use crate::wire;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -164,7 +164,7 @@ pub fn run(
     resume: Option<Resume>,
     out: Box<dyn Sink>,
     status: SharedRankStatus,
-    stop: Arc<AtomicBool>,
+    stop: Shutdown,
 ) -> Result<(), zmq::Error> {
     // A message over `max_message_bytes` drops the connection (without a bound libzmq would read
     // any size into memory): the socket is replaced, and the batch comes back as a gap.
@@ -197,12 +197,12 @@ pub fn run(
 }
 
 impl Rank {
-    fn main_loop(&mut self, mut sub: Watched, resume: Option<Resume>, stop: &AtomicBool) -> Result<(), zmq::Error> {
+    fn main_loop(&mut self, mut sub: Watched, resume: Option<Resume>, stop: &Shutdown) -> Result<(), zmq::Error> {
         if self.prime(resume).is_err() {
             return Ok(());
         }
         let mut last_probe = Instant::now();
-        while !stop.load(Ordering::Relaxed) {
+        while !stop.is_shutdown() {
             let mut items = [sub.socket.as_poll_item(zmq::POLLIN), sub.monitor.as_poll_item(zmq::POLLIN)];
             // While items are held, only look: they are committed as soon as nothing is ready.
             zmq::poll(&mut items, if self.out.holding() { 0 } else { 100 })?;

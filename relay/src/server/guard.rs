@@ -1,6 +1,7 @@
 //! Admission for the `Relay` service: the bearer token, per-client rate limits, and the stream
 //! wrapper that ends every open stream with `UNAVAILABLE` when the relay shuts down.
 
+use crate::shutdown::Shutdown;
 use governor::clock::{Clock, DefaultClock};
 use governor::{DefaultKeyedRateLimiter, Quota};
 use std::future::Future;
@@ -9,7 +10,6 @@ use std::num::NonZeroU32;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
-use tokio::sync::watch;
 use tokio_stream::Stream;
 use tonic::metadata::MetadataValue;
 use tonic::{Request, Status};
@@ -92,11 +92,9 @@ pub struct UntilShutdown<S> {
 }
 
 impl<S> UntilShutdown<S> {
-    pub fn new(inner: S, mut shutdown: watch::Receiver<bool>) -> Self {
-        let shutdown = Box::pin(async move {
-            // A dropped sender means the server is gone: the same as shutting down.
-            let _ = shutdown.wait_for(|stop| *stop).await;
-        });
+    pub fn new(inner: S, mut shutdown: Shutdown) -> Self {
+        // A trigger dropped means the server is gone: the same as shutting down.
+        let shutdown = Box::pin(async move { shutdown.recv().await });
         UntilShutdown { inner, shutdown, done: false }
     }
 }

@@ -3,8 +3,8 @@
 //! graceful shutdown. The contract and its resume rules are in `docs/protocol.md`.
 //!
 //! - [`convert`]: the model ↔ pb conversions.
-//! - [`status`]: the status the ingest keeps current ([`RelayStatusHandle`]) and its live
-//!   notices ([`Notice`]).
+//! - the status it serves is [`crate::status`] ([`RelayStatusHandle`]), which the ingest and the
+//!   commits keep current, with its live notices ([`Notice`]).
 //! - `guard`: token check, rate limits, and the stream wrapper that ends streams on shutdown.
 //! - `stream`: the per-stream producers (Subscribe, History, Snapshot).
 
@@ -18,6 +18,7 @@ pub use crate::status::{notice_channel, Notice, RankStatus, RelayStatus, RelaySt
 pub use guard::RETRY_AFTER_MS;
 
 use crate::model::Tier;
+use crate::shutdown::{Shutdown, ShutdownTrigger};
 use crate::store::{CursorCheck, SnapshotFilter, Store};
 use guard::{resource_exhausted, ClientLimiter, TokenCheck, UntilShutdown};
 use kv_relay_proto::encoded::server::relay_server::{Relay, RelayServer};
@@ -30,7 +31,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 use stream::{Driven, Outgoing, Start, Subscriber};
-use tokio::sync::{broadcast, mpsc, watch, Semaphore};
+use tokio::sync::{broadcast, mpsc, Semaphore};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::service::interceptor::InterceptedService;
 use tonic::transport::server::TcpIncoming;
@@ -165,7 +166,7 @@ pub struct RelayService {
     limiter: Arc<ClientLimiter>,
     subscriber_slots: Arc<Semaphore>,
     snapshot_slots: Arc<Semaphore>,
-    shutdown: watch::Receiver<bool>,
+    shutdown: Shutdown,
 }
 
 type BoxStream<T> = Pin<Box<dyn tokio_stream::Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -437,7 +438,7 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let cfg = Arc::new(cfg);
-    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop = ShutdownTrigger::new();
     let service = RelayService {
         store,
         status,
@@ -446,7 +447,7 @@ pub async fn serve(
         limiter: Arc::new(ClientLimiter::new(cfg.rate_per_second, cfg.rate_burst)),
         subscriber_slots: Arc::new(Semaphore::new(cfg.max_subscribers)),
         snapshot_slots: Arc::new(Semaphore::new(cfg.max_snapshots.max(1))),
-        shutdown: stop_rx.clone(),
+        shutdown: stop.subscribe(),
     };
     let relay = RelayServer::new(service)
         .max_decoding_message_size(cfg.max_request_bytes)
@@ -479,13 +480,14 @@ pub async fn serve(
     let local = listener.local_addr().ok();
     tracing::info!(listen = ?local, tls = cfg.tls.is_some(), token = cfg.bearer_token.is_some(), "grpc serving");
 
+    let service_stop = stop.subscribe();
     let signal = {
         let health = health.clone();
         async move {
             shutdown.await;
             tracing::info!("grpc shutting down: ending streams");
             health.set_not_serving::<RelayServer<RelayService>>().await;
-            let _ = stop_tx.send(true);
+            stop.trigger();
         }
     };
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
@@ -496,12 +498,12 @@ pub async fn serve(
         .add_service(relay)
         .serve_with_incoming_shutdown(incoming, signal);
     tokio::pin!(server);
-    let mut stopping = stop_rx;
+    let mut stopping = service_stop;
     let grace = cfg.shutdown_grace;
     tokio::select! {
         r = &mut server => r.map_err(ServeError::Transport),
         _ = async move {
-            let _ = stopping.wait_for(|s| *s).await;
+            stopping.recv().await;
             tokio::time::sleep(grace).await;
         } => {
             tracing::warn!(?grace, "grpc connections still open after the grace period: closing them");

@@ -21,6 +21,7 @@
 use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
 use super::encode::subscribe_bytes;
 use super::ServerConfig;
+use crate::shutdown::Shutdown;
 use crate::status::{Notice, RelayStatusHandle};
 use crate::store::{Committed, SnapshotFilter, Store, StoreError};
 use kv_relay_proto::encoded::SubscribeOut;
@@ -222,7 +223,7 @@ pub(crate) struct Subscriber {
     /// Live notices (heartbeats). Lossy: skipped while catching up.
     pub notices: broadcast::Receiver<Notice>,
     pub newest: watch::Receiver<u64>,
-    pub shutdown: watch::Receiver<bool>,
+    pub shutdown: Shutdown,
     /// Only these ranks (`None`: all).
     pub ranks: Option<Vec<u32>>,
     pub snapshot_token_ids: bool,
@@ -332,7 +333,7 @@ impl Subscriber {
             // Live and quiet: wait for a commit, a notice, a heartbeat tick, or the end.
             let wake = tokio::select! {
                 biased;
-                _ = self.shutdown.wait_for(|s| *s) => return Err(Stop),
+                _ = self.shutdown.recv() => return Err(Stop),
                 _ = tx.closed() => return Err(Stop),
                 r = self.newest.changed(), if newest_open => Wake::Commit(r.is_ok()),
                 n = self.notices.recv(), if notices_open => Wake::Notice(n),
