@@ -117,10 +117,7 @@ impl Row {
 }
 
 fn pct(sorted: &[u64], p: f64) -> Duration {
-    if sorted.is_empty() {
-        return Duration::ZERO;
-    }
-    Duration::from_nanos(sorted[((sorted.len() - 1) as f64 * p) as usize])
+    Duration::from_nanos(kv_relay_testkit::kit::percentile(sorted, p).unwrap_or(0))
 }
 
 /// What timing a lookup adds to its sample: the median of 100,000 empty intervals timed the

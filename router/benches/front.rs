@@ -97,7 +97,7 @@ fn post(addr: SocketAddr, path: &str, headers: &str, body: &str) -> (u16, String
 }
 
 fn pct(sorted: &[Duration], p: f64) -> Duration {
-    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+    kv_relay_testkit::kit::percentile(sorted, p).unwrap_or_default()
 }
 
 fn ms(d: Duration) -> String {

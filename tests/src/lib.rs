@@ -35,6 +35,7 @@ pub mod fixtures;
 pub mod fleet;
 pub mod generate;
 pub mod hashing;
+pub mod kit;
 pub mod metrics;
 pub mod pace;
 pub mod publisher;

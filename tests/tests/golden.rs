@@ -11,15 +11,12 @@
 
 use std::path::PathBuf;
 
+use kv_relay_testkit::kit::hex;
 use kv_relay_testkit::wire::{
     encode_batch, wire_form, Batch, BlockHash, Engine, EngineEvent, Removed, Stored, TokenIds, WireVersion,
 };
 use rmpv::Value;
 use serde_json::Value as Json;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len()).step_by(2).map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex")).collect()

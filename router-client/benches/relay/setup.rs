@@ -97,7 +97,7 @@ pub(crate) fn pct(v: &mut [f32], p: f64) -> f64 {
         return f64::NAN;
     }
     v.sort_by(f32::total_cmp);
-    f64::from(v[((v.len() as f64 * p) as usize).min(v.len() - 1)])
+    f64::from(kv_relay_testkit::kit::percentile(v, p).expect("not empty"))
 }
 
 /// The relay's newest cursor and the engine's last seq per rank it has committed.

@@ -1,6 +1,12 @@
 //! router_process
 
 use super::*;
+pub(crate) use kv_relay_testkit::kit::{cpu_ticks, percentile, poll_until, thread_ticks};
+
+/// `/proc/PID/status` field in KiB (0 when the process is gone).
+pub(crate) fn proc_kib(pid: u32, field: &str) -> u64 {
+    kv_relay_testkit::kit::proc_status(pid, field).unwrap_or(0)
+}
 
 /// A keep-alive HTTP/1.1 connection to the router.
 pub(crate) struct Http {
@@ -183,42 +189,6 @@ impl Drop for Router {
     }
 }
 
-/// `/proc/PID/status` field in KiB.
-pub(crate) fn proc_kib(pid: u32, field: &str) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines()
-        .find_map(|l| {
-            l.strip_prefix(field).and_then(|r| r.trim_start_matches(':').split_whitespace().next()?.parse().ok())
-        })
-        .unwrap_or(0)
-}
-
-/// utime + stime of a `/proc/.../stat` line, in clock ticks (100 a second), and the command.
-pub(crate) fn stat_ticks(path: &str) -> Option<(String, u64)> {
-    let s = std::fs::read_to_string(path).ok()?;
-    let (head, after) = s.rsplit_once(')')?;
-    let comm = head.split_once('(')?.1.to_string();
-    let f: Vec<&str> = after.split_whitespace().collect();
-    Some((comm, f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?))
-}
-
-pub(crate) fn cpu_ticks(pid: u32) -> u64 {
-    stat_ticks(&format!("/proc/{pid}/stat")).map_or(0, |x| x.1)
-}
-
-/// Clock ticks per thread name (threads of one name summed).
-pub(crate) fn thread_ticks(pid: u32) -> BTreeMap<String, u64> {
-    let mut out = BTreeMap::new();
-    if let Ok(rd) = std::fs::read_dir(format!("/proc/{pid}/task")) {
-        for e in rd.flatten() {
-            if let Some((comm, t)) = stat_ticks(&format!("{}/stat", e.path().display())) {
-                *out.entry(comm).or_insert(0) += t;
-            }
-        }
-    }
-    out
-}
-
 /// Per relay URL: (epoch, cursor, syncing), and the workers' states by relay.
 pub(crate) struct Seen {
     pub(crate) relays: BTreeMap<String, (u64, u64, bool)>,
@@ -242,28 +212,13 @@ pub(crate) fn seen(http: &mut Http) -> Seen {
     Seen { relays, states }
 }
 
-/// Polls `f` every `every` for up to `limit`; the time it took.
-pub(crate) fn poll_until(limit: Duration, every: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    while start.elapsed() < limit {
-        if f() {
-            return Some(start.elapsed());
-        }
-        std::thread::sleep(every);
-    }
-    None
-}
-
 /// For each relay, the first of 512 blocks in the middle of its live set (live for the longest).
 pub(crate) fn windows(fleet: &Fleet) -> Vec<u64> {
     fleet.relays.iter().map(|r| r.live()).map(|l| l.start + (l.end - l.start).saturating_sub(512) / 2).collect()
 }
 
 pub(crate) fn pct(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    sorted[((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1]
+    percentile(sorted, p).unwrap_or(0.0)
 }
 
 /// A matcher's latencies, taken and sorted.

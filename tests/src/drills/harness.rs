@@ -259,13 +259,6 @@ pub fn announced_addr(out: &mut impl std::io::BufRead, what: &str) -> SocketAddr
         .unwrap_or_else(|| panic!("{what} said {line:?}"))
 }
 
-/// A number from `/proc/PID/status` (`VmRSS`, `Threads`, ...).
-pub fn proc_status_of(pid: u32, field: &str) -> Option<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = s.lines().find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
 /// A `kv-relay` process on fixed loopback ports, restartable on the same state directory.
 pub struct RelayProc {
     pub args: Vec<String>,
@@ -417,7 +410,7 @@ impl RelayProc {
 
     /// A number from `/proc/PID/status` (`VmRSS`, `Threads`, ...).
     pub fn proc_status(&self, field: &str) -> Option<u64> {
-        proc_status_of(self.pid()?, field)
+        crate::kit::proc_status(self.pid()?, field)
     }
 
     /// The Prometheus text from `--metrics-listen`.
@@ -516,18 +509,9 @@ pub fn not_ok_ranks(s: &pb::StatusResponse) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// Waits up to `limit` for `f`; returns the time it took.
-pub fn wait_until(limit: Duration, mut f: impl FnMut() -> bool) -> Option<Duration> {
-    let start = Instant::now();
-    loop {
-        if f() {
-            return Some(start.elapsed());
-        }
-        if start.elapsed() > limit {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+/// Waits up to `limit` for `f`, asking every 20 ms; returns the time it took.
+pub fn wait_until(limit: Duration, f: impl FnMut() -> bool) -> Option<Duration> {
+    crate::kit::poll_until(limit, Duration::from_millis(20), f)
 }
 
 /// The relay's live blocks (Snapshot RPC) keyed like the truth, and the cursor they are at.

@@ -5,7 +5,7 @@
 //! into one worker and reads, from the router's own `GET /workers`, when the worker left routing,
 //! whether anything was routed to it while out, and when it came back.
 
-use super::harness::{announced_addr, engine_with, proc_status_of, wait_until, workspace_bin, EngineSpec, RelayProc};
+use super::harness::{announced_addr, engine_with, wait_until, workspace_bin, EngineSpec, RelayProc};
 use super::proxy::Proxy;
 use super::{ms, Report, Scale};
 use crate::engine::MockEngine;
@@ -139,7 +139,7 @@ impl RouterProc {
     }
 
     fn rss_kib(&self) -> u64 {
-        proc_status_of(self.child.id(), "VmRSS").unwrap_or(0)
+        crate::kit::proc_status(self.child.id(), "VmRSS").unwrap_or(0)
     }
 }
 

@@ -1,8 +1,5 @@
 use super::*;
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
+use crate::kit::hex;
 
 fn spec_batch() -> Batch {
     Batch {
