@@ -28,12 +28,11 @@ use std::time::{Duration, Instant};
 
 mod support;
 
-use kv_relay_testkit::fleet::serve_store;
 use kv_relay_testkit::pace::Pace;
 use kv_router::http::{answer_match, MatchRequest};
-use kv_router_client::{FollowConfig, Follower, Match, WorkerState};
+use kv_router_client::{Follower, Match, WorkerState};
 use serde::Serialize;
-use support::{loadavg, own, shared, thread_cpu, Relay};
+use support::{loadavg, own, shared, thread_cpu, Followed, Relay};
 
 struct Opts {
     relays: usize,
@@ -169,33 +168,14 @@ fn main() {
         loadavg()
     );
     let relays: Vec<Relay> = (0..opts.relays).map(|i| Relay::new(i, opts.ranks)).collect();
-    let (urls, servers) = rt.block_on(async {
-        let (mut urls, mut servers) = (Vec::new(), Vec::new());
-        for r in &relays {
-            let (addr, stop, task) = serve_store(&r.store, "127.0.0.1:0".parse().expect("address")).await;
-            urls.push(format!("http://{addr}"));
-            servers.push((stop, task));
-        }
-        (urls, servers)
-    });
-    let f = rt.block_on(async {
-        let f = Follower::new(FollowConfig {
-            start_jitter: Duration::ZERO,
-            // The stream below keeps every worker heard of; a slow start never makes one stale.
-            stale_after: Duration::from_secs(600),
-            ..FollowConfig::default()
-        });
-        for u in &urls {
-            f.add_relay(u).expect("add relay");
-        }
-        f
-    });
-    let t0 = Instant::now();
-    while !(f.workers().len() == workers && f.workers().iter().all(|w| w.state == WorkerState::Fresh)) {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the workers were not all fresh within 120 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    println!("followed in {:.2} s, {} blocks indexed", t0.elapsed().as_secs_f64(), f.index().stats().blocks);
+    let followed = Followed::start(&rt, &relays, workers);
+    let f = &followed.follower;
+    println!(
+        "followed {} relays in {:.2} s, {} blocks indexed",
+        followed.urls.len(),
+        followed.took.as_secs_f64(),
+        f.index().stats().blocks
+    );
 
     // The stream: an empty batch with a new load to each worker in turn.
     let stop = Arc::new(AtomicBool::new(false));
@@ -224,16 +204,16 @@ fn main() {
         let (mut old, mut new, mut only, mut top) =
             (Runs::default(), Runs::default(), Runs::default(), Runs::default());
         // Warm caches first; then the paths take turns, runs of 50 requests.
-        old.run(20, || old_answer(&f, &full));
-        new.run(20, || new_answer(&f, &full));
+        old.run(20, || old_answer(f, &full));
+        new.run(20, || new_answer(f, &full));
         (old, new) = (Runs::default(), Runs::default());
         let run = 50.min(opts.requests);
         for _ in 0..opts.requests.div_ceil(run) {
-            let a = old.run(run, || old_answer(&f, &full));
-            let b = new.run(run, || new_answer(&f, &full));
+            let a = old.run(run, || old_answer(f, &full));
+            let b = new.run(run, || new_answer(f, &full));
             assert_same(&a, &b);
-            only.run(run, || new_answer(&f, &matched));
-            top.run(run, || new_answer(&f, &best));
+            only.run(run, || new_answer(f, &matched));
+            top.run(run, || new_answer(f, &best));
         }
         let was = old.report("old path, every worker");
         let is = new.report("new path, every worker");
@@ -245,12 +225,6 @@ fn main() {
     println!("load after: {}", loadavg());
     stop.store(true, Ordering::Relaxed);
     let relays = stream.join().expect("stream");
-    rt.block_on(async {
-        f.shutdown().await;
-        for (stop, task) in servers {
-            let _ = stop.send(());
-            let _ = task.await;
-        }
-    });
+    followed.stop(&rt);
     drop(relays);
 }

@@ -21,11 +21,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kv_relay_testkit::fleet::serve_store;
 use kv_relay_testkit::pace::Pace;
 use kv_router::{Outcome, Router, RouterConfig, Tokens};
-use kv_router_client::{FollowConfig, Follower, MatchOptions, WorkerState};
-use support::{loadavg, own, shared, thread_cpu, Relay};
+use kv_router_client::MatchOptions;
+use support::{loadavg, own, shared, thread_cpu, Followed, Relay};
 
 struct Opts {
     rate: f64,
@@ -137,35 +136,12 @@ fn shape(opts: &Opts, n_relays: usize, ranks: usize) {
     let workers = n_relays * ranks;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     let relays: Vec<Relay> = (0..n_relays).map(|i| Relay::new(i, ranks)).collect();
-    let (urls, servers) = rt.block_on(async {
-        let (mut urls, mut servers) = (Vec::new(), Vec::new());
-        for r in &relays {
-            let (addr, stop, task) = serve_store(&r.store, "127.0.0.1:0".parse().expect("address")).await;
-            urls.push(format!("http://{addr}"));
-            servers.push((stop, task));
-        }
-        (urls, servers)
-    });
-    let f = rt.block_on(async {
-        let f = Follower::new(FollowConfig {
-            start_jitter: Duration::ZERO,
-            stale_after: Duration::from_secs(600),
-            ..FollowConfig::default()
-        });
-        for u in &urls {
-            f.add_relay(u).expect("add relay");
-        }
-        f
-    });
-    let t0 = Instant::now();
-    while !(f.workers().len() == workers && f.workers().iter().all(|w| w.state == WorkerState::Fresh)) {
-        assert!(t0.elapsed() < Duration::from_secs(120), "the workers were not all fresh within 120 s");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let followed = Followed::start(&rt, &relays, workers);
+    let f = &followed.follower;
     let router = Arc::new(Router::new(f.clone(), RouterConfig { seed: Some(1), ..RouterConfig::default() }));
     println!(
         "\n{n_relays} relays x {ranks} ranks = {workers} workers, followed in {:.2} s",
-        t0.elapsed().as_secs_f64()
+        followed.took.as_secs_f64()
     );
 
     // The stream: an empty batch with a new load to each worker in turn, once a second each.
@@ -281,7 +257,8 @@ fn shape(opts: &Opts, n_relays: usize, ranks: usize) {
     let ids: Vec<(u64, usize)> = (0..1000)
         .map(|_| {
             let r = router.route(&miss).expect("a route");
-            let w = urls.iter().position(|u| **u == *r.relay).expect("a known relay") * ranks + r.dp_rank as usize;
+            let w =
+                followed.urls.iter().position(|u| **u == *r.relay).expect("a known relay") * ranks + r.dp_rank as usize;
             got[w] += 1;
             (r.request_id, w)
         })
@@ -305,13 +282,7 @@ fn shape(opts: &Opts, n_relays: usize, ranks: usize) {
     let relays = stream.join().expect("stream");
     let _ = stop_http.send(());
     http_thread.join().expect("http thread");
-    rt.block_on(async {
-        f.shutdown().await;
-        for (stop, task) in servers {
-            let _ = stop.send(());
-            let _ = task.await;
-        }
-    });
+    followed.stop(&rt);
     drop(relays);
     println!("load after: {}", loadavg());
 }

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use kv_relay::model::{Batch, Block, Event, Load, RecordBody, Stored, Tier};
 use kv_relay::store::{Store, StoreConfig};
+use kv_relay_testkit::fleet::serve_store;
+use kv_router_client::{FollowConfig, Follower, WorkerState};
 
 pub const BLOCKS: u64 = 512;
 pub const SHARED: u64 = 1 << 62;
@@ -72,4 +74,59 @@ pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_default()
+}
+
+/// `relays` served by the relay's own server code on loopback, and a follower of all of them
+/// whose `workers` workers are all fresh (at most 120 s).
+pub struct Followed {
+    pub follower: Follower,
+    /// From the follower's start to every worker fresh.
+    pub took: Duration,
+    /// The relays' URLs, in the order of `relays`.
+    pub urls: Vec<String>,
+    servers: Vec<(tokio::sync::oneshot::Sender<()>, tokio::task::JoinHandle<()>)>,
+}
+
+impl Followed {
+    pub fn start(rt: &tokio::runtime::Runtime, relays: &[Relay], workers: usize) -> Followed {
+        let (urls, servers) = rt.block_on(async {
+            let (mut urls, mut servers) = (Vec::new(), Vec::new());
+            for r in relays {
+                let (addr, stop, task) = serve_store(&r.store, "127.0.0.1:0".parse().expect("address")).await;
+                urls.push(format!("http://{addr}"));
+                servers.push((stop, task));
+            }
+            (urls, servers)
+        });
+        let follower = rt.block_on(async {
+            let f = Follower::new(FollowConfig {
+                start_jitter: Duration::ZERO,
+                // The benches' streams keep every worker heard of; a slow start never makes one stale.
+                stale_after: Duration::from_secs(600),
+                ..FollowConfig::default()
+            });
+            for u in &urls {
+                f.add_relay(u).expect("add relay");
+            }
+            f
+        });
+        let t0 = std::time::Instant::now();
+        while !(follower.workers().len() == workers && follower.workers().iter().all(|w| w.state == WorkerState::Fresh))
+        {
+            assert!(t0.elapsed() < Duration::from_secs(120), "the workers were not all fresh within 120 s");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Followed { follower, took: t0.elapsed(), urls, servers }
+    }
+
+    /// Shuts the follower down and stops the servers.
+    pub fn stop(self, rt: &tokio::runtime::Runtime) {
+        rt.block_on(async {
+            self.follower.shutdown().await;
+            for (stop, task) in self.servers {
+                let _ = stop.send(());
+                let _ = task.await;
+            }
+        });
+    }
 }
