@@ -119,3 +119,49 @@ fn an_old_client_reads_a_new_status_whole() {
     let back = pb::StatusResponse::decode(old.encode_to_vec().as_slice()).unwrap();
     assert_eq!((back.engine_url.as_str(), back.ranks[0].liveness.as_ref()), ("", None));
 }
+
+/// `SubscribeRequest` as it was before `omit_token_ids = 7`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct OldSubscribeRequest {
+    #[prost(fixed64, tag = "1")]
+    epoch: u64,
+    #[prost(uint64, tag = "2")]
+    after_cursor: u64,
+    #[prost(uint32, tag = "3")]
+    incarnation: u32,
+    #[prost(bool, tag = "4")]
+    allow_snapshot: bool,
+    #[prost(uint32, repeated, tag = "5")]
+    ranks: Vec<u32>,
+    #[prost(bool, tag = "6")]
+    snapshot_token_ids: bool,
+}
+
+#[test]
+fn a_lean_request_reads_as_the_same_full_one_before_omit_token_ids_and_an_old_one_as_full() {
+    let new = pb::SubscribeRequest {
+        epoch: 0xfeed,
+        after_cursor: 41,
+        incarnation: 3,
+        allow_snapshot: true,
+        ranks: vec![0, 2],
+        snapshot_token_ids: true,
+        omit_token_ids: true,
+    };
+    // An old relay reads the request as it always did: the new field is skipped.
+    let seen_by_old = OldSubscribeRequest::decode(new.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(
+        seen_by_old,
+        OldSubscribeRequest {
+            epoch: 0xfeed,
+            after_cursor: 41,
+            incarnation: 3,
+            allow_snapshot: true,
+            ranks: vec![0, 2],
+            snapshot_token_ids: true
+        }
+    );
+    // A new relay reads an old client's request as full records.
+    let seen_by_new = pb::SubscribeRequest::decode(seen_by_old.encode_to_vec().as_slice()).unwrap();
+    assert_eq!(seen_by_new, pb::SubscribeRequest { omit_token_ids: false, ..new });
+}

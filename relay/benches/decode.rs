@@ -20,7 +20,8 @@
 use kv_relay::capture::{self, CapturedMessage, Decoded, SocketKind};
 use kv_relay::model::{Load, Record, RecordBody};
 use kv_relay::normalize::Normalizer;
-use kv_relay::server::{convert::record_to_pb, encode::subscribe_bytes};
+use kv_relay::server::convert::record_to_pb;
+use kv_relay::server::encode::{subscribe_bytes, Shape};
 use kv_relay::wire::{self, ReplayReply};
 use prost::Message;
 use std::hint::black_box;
@@ -185,7 +186,7 @@ fn records(fixtures: &[Fixture]) -> Vec<Record> {
 
 /// The bytes of every record's Subscribe message, summed: straight from the model.
 fn pass_encode_direct(records: &[Record]) -> usize {
-    records.iter().map(|r| subscribe_bytes(black_box(r)).len()).sum()
+    records.iter().map(|r| subscribe_bytes(black_box(r), Shape::Full).len()).sum()
 }
 
 /// The same through the contract's structs, as the relay encoded before.
@@ -271,7 +272,7 @@ fn main() {
     let recs = records(&fixtures);
     for r in &recs {
         let via = record_to_pb(r).into_subscribe().encode_to_vec();
-        assert_eq!(subscribe_bytes(r).to_vec(), via, "record {} encodes otherwise than prost", r.cursor);
+        assert_eq!(subscribe_bytes(r, Shape::Full).to_vec(), via, "record {} encodes otherwise than prost", r.cursor);
     }
     let (mut direct, mut via_pb) = (Vec::new(), Vec::new());
     let mut per: Vec<Runs> = fixtures.iter().map(|_| Runs::default()).collect();
@@ -355,6 +356,21 @@ fn main() {
         si(median(&mut direct) * n),
         si(median(&mut via_pb) * n),
         ratio(median(&mut ratios))
+    );
+    // What a subscriber that asks for lean records (`omit_token_ids`) receives of the same.
+    let lean: usize = recs.iter().map(|r| subscribe_bytes(r, Shape::Lean).len()).sum();
+    let ops: usize = recs
+        .iter()
+        .map(|r| match &r.body {
+            RecordBody::Batch { batch, .. } => batch.events.iter().map(|e| e.block_ops()).sum::<usize>(),
+            RecordBody::Control(_) => 0,
+        })
+        .sum();
+    println!(
+        "Subscribe bytes per block operation ({ops} block operations): full {:.1}, lean {:.1}: lean/full {:.3}",
+        bytes as f64 / ops.max(1) as f64,
+        lean as f64 / ops.max(1) as f64,
+        lean as f64 / bytes.max(1) as f64
     );
 }
 

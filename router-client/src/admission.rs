@@ -319,8 +319,9 @@ impl RelayAdmission {
     }
 
     /// The request that resumes from the position. `allow_snapshot` lets the relay answer with
-    /// a snapshot when it cannot continue the cursor.
-    pub fn subscribe_request(&self, allow_snapshot: bool) -> pb::SubscribeRequest {
+    /// a snapshot when it cannot continue the cursor; `lean` asks for records without token ids
+    /// (`omit_token_ids`: the index never reads them; a relay that predates it sends full ones).
+    pub fn subscribe_request(&self, allow_snapshot: bool, lean: bool) -> pb::SubscribeRequest {
         pb::SubscribeRequest {
             epoch: self.pos.epoch,
             after_cursor: self.pos.cursor,
@@ -328,6 +329,7 @@ impl RelayAdmission {
             allow_snapshot,
             ranks: Vec::new(),
             snapshot_token_ids: false,
+            omit_token_ids: lean,
         }
     }
 

@@ -71,6 +71,10 @@ pub struct FollowConfig {
     /// Bounds the snapshots a starting router (or one back from a partition) pulls at once.
     /// 0 is taken as 1.
     pub max_concurrent_resyncs: usize,
+    /// Ask relays for full records, with every block's token ids. Off (the default), they send
+    /// lean ones: what the index reads (hashes, parents, tiers, groups, namespaces, the load),
+    /// a fraction of the bytes to receive and decode.
+    pub full_records: bool,
     /// A relay's first connection waits a random delay up to this long, so that a router
     /// started with many relays does not open every connection in the same instant.
     pub start_jitter: Duration,
@@ -94,6 +98,7 @@ impl Default for FollowConfig {
             events_capacity: 1024,
             max_concurrent_resyncs: 16,
             start_jitter: Duration::from_millis(500),
+            full_records: false,
             index: IndexConfig::default(),
         }
     }
@@ -554,7 +559,7 @@ async fn session(relay: &Relay, shared: &Shared, backoff: &mut Backoff, hint: &m
             Err(_) => return StreamError::Resume("follower closed".into()),
         }
     });
-    let req = lock(&relay.admission).subscribe_request(cfg.allow_snapshot);
+    let req = lock(&relay.admission).subscribe_request(cfg.allow_snapshot, !cfg.full_records);
     let mut stream = match tokio::time::timeout(cfg.connect_timeout, client.subscribe(shared.request(req))).await {
         Err(_) => return StreamError::Connect("subscribe timed out".into()),
         Ok(Err(status)) => {

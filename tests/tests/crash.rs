@@ -79,6 +79,7 @@ fn resume_without_snapshot(url: &str, pos: &Position) -> Result<u64, tonic::Code
             allow_snapshot: false,
             ranks: vec![],
             snapshot_token_ids: false,
+            omit_token_ids: false,
         };
         let mut s = c.subscribe(req).await.map_err(|e| e.code())?.into_inner();
         let deadline = Instant::now() + Duration::from_secs(5);

@@ -93,6 +93,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
                     allow_snapshot: false,
                     ranks: rank,
                     snapshot_token_ids: false,
+                    omit_token_ids: false,
                 };
                 let mut stream = c.subscribe(req).await.map_err(rpc)?.into_inner();
                 while let Some(m) = stream.message().await.map_err(rpc)? {

@@ -21,17 +21,26 @@ use kv_relay_proto::pb;
 use prost::encoding::{encode_key, encode_varint, encoded_len_varint, key_len, WireType};
 use prost::Message;
 
-/// The encoding of `SubscribeResponse { message: Some(Batch(..)) }` or `Control(..)` for `r`.
-pub fn subscribe_bytes(r: &Record) -> Bytes {
+/// Which Subscribe message of a record: every field, or what an index needs
+/// (`SubscribeRequest.omit_token_ids`: no token ids, key parts, lookahead or multimodal infos).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shape {
+    Full,
+    Lean,
+}
+
+/// The encoding of `SubscribeResponse { message: Some(Batch(..)) }` or `Control(..)` for `r`,
+/// in `shape`.
+pub fn subscribe_bytes(r: &Record, shape: Shape) -> Bytes {
     let RecordBody::Batch { batch, load, liveness } = &r.body else {
         return Bytes::from(record_to_pb(r).into_subscribe().encode_to_vec());
     };
     let (load, liveness) = (load.as_ref(), liveness.as_ref());
-    let len = batch_len(r.cursor, r.incarnation, batch, load, liveness);
+    let len = batch_len(r.cursor, r.incarnation, batch, load, liveness, shape);
     let mut out = Vec::with_capacity(key_len(1) + encoded_len_varint(len as u64) + len);
     // SubscribeResponse.batch = 1.
     nested(&mut out, 1, len);
-    put_batch(&mut out, r.cursor, r.incarnation, batch, load, liveness);
+    put_batch(&mut out, r.cursor, r.incarnation, batch, load, liveness, shape);
     debug_assert_eq!(out.len(), out.capacity());
     Bytes::from(out)
 }
@@ -203,7 +212,14 @@ fn put_liveness(out: &mut Vec<u8>, l: &Liveness) {
     put_varint_field(out, 4, l.observed_at_ms);
 }
 
-fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>, liveness: Option<&Liveness>) -> usize {
+fn batch_len(
+    cursor: u64,
+    incarnation: u32,
+    b: &Batch,
+    load: Option<&Load>,
+    liveness: Option<&Liveness>,
+    shape: Shape,
+) -> usize {
     varint_field_len(1, cursor)
         + varint_field_len(2, u64::from(incarnation))
         + varint_field_len(3, u64::from(b.dp_rank))
@@ -212,7 +228,7 @@ fn batch_len(cursor: u64, incarnation: u32, b: &Batch, load: Option<&Load>, live
         + b.events
             .iter()
             .map(|e| {
-                let (tag, len) = event_field(e);
+                let (tag, len) = event_field(e, shape);
                 nested_len(6, nested_len(tag, len))
             })
             .sum::<usize>()
@@ -227,6 +243,7 @@ fn put_batch(
     b: &Batch,
     load: Option<&Load>,
     liveness: Option<&Liveness>,
+    shape: Shape,
 ) {
     put_varint_field(out, 1, cursor);
     put_varint_field(out, 2, u64::from(incarnation));
@@ -234,7 +251,7 @@ fn put_batch(
     put_varint_field(out, 4, b.seq);
     put_double_field(out, 5, b.ts);
     for e in &b.events {
-        put_event(out, e);
+        put_event(out, e, shape);
     }
     if let Some(l) = load {
         nested(out, 7, load_len(l));
@@ -248,9 +265,9 @@ fn put_batch(
 
 /// An `Event`: its one field of the `event` oneof (stored 1, removed 2, cleared 3), always
 /// written; the field's tag and its body's length.
-fn event_field(e: &Event) -> (u32, usize) {
+fn event_field(e: &Event, shape: Shape) -> (u32, usize) {
     match e {
-        Event::Stored(s) => (1, stored_len(s)),
+        Event::Stored(s) => (1, stored_len(s, shape)),
         Event::Removed(r) => (2, removed_len(r)),
         Event::Cleared(c) => {
             let (tier, name) = cleared_tier(c);
@@ -260,12 +277,12 @@ fn event_field(e: &Event) -> (u32, usize) {
 }
 
 /// An event as `Batch.events = 6`: its length is computed once for both length prefixes.
-fn put_event(out: &mut Vec<u8>, e: &Event) {
-    let (tag, len) = event_field(e);
+fn put_event(out: &mut Vec<u8>, e: &Event, shape: Shape) {
+    let (tag, len) = event_field(e, shape);
     nested(out, 6, nested_len(tag, len));
     nested(out, tag, len);
     match e {
-        Event::Stored(s) => put_stored(out, s),
+        Event::Stored(s) => put_stored(out, s, shape),
         Event::Removed(r) => put_removed(out, r),
         Event::Cleared(c) => {
             let (tier, name) = cleared_tier(c);
@@ -313,10 +330,15 @@ fn namespace_len(n: &Namespace) -> usize {
         + opt_string_len(3, &n.cache_salt)
 }
 
-fn block_len(b: &Block) -> usize {
-    (if b.hash != 0 { key_len(1) + 8 } else { 0 })
-        + packed_u32_len(2, &b.token_ids)
-        + b.extra_keys.as_ref().map_or(0, |k| prost_len(3, &key_part_to_pb(k)))
+fn block_len(b: &Block, shape: Shape) -> usize {
+    let hash = if b.hash != 0 { key_len(1) + 8 } else { 0 };
+    match shape {
+        Shape::Lean => hash,
+        Shape::Full => {
+            hash + packed_u32_len(2, &b.token_ids)
+                + b.extra_keys.as_ref().map_or(0, |k| prost_len(3, &key_part_to_pb(k)))
+        }
+    }
 }
 
 fn token_layout(s: &Stored) -> i32 {
@@ -326,7 +348,7 @@ fn token_layout(s: &Stored) -> i32 {
     }
 }
 
-fn stored_len(s: &Stored) -> usize {
+fn stored_len(s: &Stored, shape: Shape) -> usize {
     let (tier, name) = tier_to_pb(&s.tier);
     enum_len(1, tier as i32)
         + string_field_len(2, &name)
@@ -334,16 +356,21 @@ fn stored_len(s: &Stored) -> usize {
         + s.parent.map_or(0, |_| key_len(4) + 8)
         + varint_field_len(5, u64::from(s.block_size))
         + enum_len(6, token_layout(s))
-        + s.blocks.iter().map(|b| nested_len(7, block_len(b))).sum::<usize>()
+        + s.blocks.iter().map(|b| nested_len(7, block_len(b, shape))).sum::<usize>()
         + nested_len(8, namespace_len(&s.namespace))
         + opt_string_len(9, &s.session_id)
         + opt_string_len(10, &s.ownership)
-        + s.lookahead_token_ids.iter().flatten().map(|ids| nested_len(11, packed_u32_len(1, ids))).sum::<usize>()
-        + (if s.lookahead_token_ids.is_some() { key_len(12) + 1 } else { 0 })
-        + s.block_mm_infos.as_ref().map_or(0, |k| prost_len(13, &key_part_to_pb(k)))
+        + match shape {
+            Shape::Lean => 0,
+            Shape::Full => {
+                s.lookahead_token_ids.iter().flatten().map(|ids| nested_len(11, packed_u32_len(1, ids))).sum::<usize>()
+                    + (if s.lookahead_token_ids.is_some() { key_len(12) + 1 } else { 0 })
+                    + s.block_mm_infos.as_ref().map_or(0, |k| prost_len(13, &key_part_to_pb(k)))
+            }
+        }
 }
 
-fn put_stored(out: &mut Vec<u8>, s: &Stored) {
+fn put_stored(out: &mut Vec<u8>, s: &Stored, shape: Shape) {
     let (tier, name) = tier_to_pb(&s.tier);
     put_enum(out, 1, tier as i32);
     put_string_field(out, 2, &name);
@@ -361,14 +388,16 @@ fn put_stored(out: &mut Vec<u8>, s: &Stored) {
     put_varint_field(out, 5, u64::from(s.block_size));
     put_enum(out, 6, token_layout(s));
     for b in &s.blocks {
-        nested(out, 7, block_len(b));
+        nested(out, 7, block_len(b, shape));
         if b.hash != 0 {
             encode_key(1, WireType::SixtyFourBit, out);
             out.extend_from_slice(&b.hash.to_le_bytes());
         }
-        put_packed_u32(out, 2, &b.token_ids);
-        if let Some(k) = &b.extra_keys {
-            put_prost(out, 3, &key_part_to_pb(k));
+        if shape == Shape::Full {
+            put_packed_u32(out, 2, &b.token_ids);
+            if let Some(k) = &b.extra_keys {
+                put_prost(out, 3, &key_part_to_pb(k));
+            }
         }
     }
     nested(out, 8, namespace_len(&s.namespace));
@@ -380,6 +409,9 @@ fn put_stored(out: &mut Vec<u8>, s: &Stored) {
     put_opt_string(out, 3, &s.namespace.cache_salt);
     put_opt_string(out, 9, &s.session_id);
     put_opt_string(out, 10, &s.ownership);
+    if shape == Shape::Lean {
+        return;
+    }
     for ids in s.lookahead_token_ids.iter().flatten() {
         nested(out, 11, packed_u32_len(1, ids));
         put_packed_u32(out, 1, ids);
@@ -402,11 +434,38 @@ mod tests {
         record_to_pb(r).into_subscribe().encode_to_vec()
     }
 
+    /// What prost writes for the lean shape: the full message with the fields it leaves out
+    /// cleared.
+    fn prost_lean_bytes(r: &Record) -> Vec<u8> {
+        let mut m = record_to_pb(r).into_subscribe();
+        if let Some(pb::subscribe_response::Message::Batch(b)) = &mut m.message {
+            for e in &mut b.events {
+                if let Some(pb::event::Event::Stored(s)) = &mut e.event {
+                    for b in &mut s.blocks {
+                        b.token_ids.clear();
+                        b.extra_keys = None;
+                    }
+                    s.lookahead_token_ids.clear();
+                    s.has_lookahead_token_ids = false;
+                    s.block_mm_infos = None;
+                }
+            }
+        }
+        m.encode_to_vec()
+    }
+
+    /// Both shapes of `r`, each checked against prost.
+    fn check(r: &Record) {
+        assert_eq!(subscribe_bytes(r, Shape::Full).to_vec(), prost_bytes(r), "full");
+        assert_eq!(subscribe_bytes(r, Shape::Lean).to_vec(), prost_lean_bytes(r), "lean");
+    }
+
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(2000))]
         #[test]
         fn any_record_is_written_as_prost_writes_it(r in crate::store::any_record()) {
-            proptest::prop_assert_eq!(subscribe_bytes(&r).to_vec(), prost_bytes(&r));
+            proptest::prop_assert_eq!(subscribe_bytes(&r, Shape::Full).to_vec(), prost_bytes(&r));
+            proptest::prop_assert_eq!(subscribe_bytes(&r, Shape::Lean).to_vec(), prost_lean_bytes(&r));
         }
     }
 
@@ -470,14 +529,14 @@ mod tests {
                 let batch = Batch { dp_rank: 3, seq: 0, ts, events: events.clone() };
                 let r =
                     Record { cursor, incarnation, body: RecordBody::Batch { batch, load, liveness: liveness.clone() } };
-                assert_eq!(subscribe_bytes(&r).to_vec(), prost_bytes(&r));
+                check(&r);
                 let empty = Batch { dp_rank: 0, seq: u64::MAX, ts, events: vec![] };
                 let r = Record {
                     cursor,
                     incarnation,
                     body: RecordBody::Batch { batch: empty, load, liveness: liveness.clone() },
                 };
-                assert_eq!(subscribe_bytes(&r).to_vec(), prost_bytes(&r));
+                check(&r);
             }
         }
         let control = Record {
@@ -485,7 +544,8 @@ mod tests {
             incarnation: 2,
             body: RecordBody::Control(Control { dp_rank: 1, kind: ControlKind::RankDegraded { reason: "gap".into() } }),
         };
-        assert_eq!(subscribe_bytes(&control).to_vec(), prost_bytes(&control));
+        check(&control);
+        assert_eq!(subscribe_bytes(&control, Shape::Lean), subscribe_bytes(&control, Shape::Full));
     }
 
     /// The fields this module writes by hand, per message of the contract: (number, name,

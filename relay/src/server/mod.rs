@@ -288,6 +288,7 @@ impl Relay for RelayService {
             shutdown: self.shutdown.clone(),
             ranks: ranks_filter(&r.ranks),
             snapshot_token_ids: r.snapshot_token_ids,
+            shape: if r.omit_token_ids { encode::Shape::Lean } else { encode::Shape::Full },
             start,
             snapshot_slots: self.snapshot_slots.clone(),
             _permit: permit,

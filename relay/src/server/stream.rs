@@ -19,7 +19,7 @@
 //! sends a snapshot it holds one chunk (`snapshot_chunk_blocks` blocks) instead of a page.
 
 use super::convert::{load_to_pb, record_rank, record_to_pb, snapshot_block_to_pb};
-use super::encode::subscribe_bytes;
+use super::encode::{subscribe_bytes, Shape};
 use super::ServerConfig;
 use crate::shutdown::Shutdown;
 use crate::status::{Notice, RelayStatusHandle};
@@ -147,8 +147,9 @@ pub(crate) async fn send_snapshot<T>(
 
 /// What a Subscribe producer queues for its connection.
 pub(crate) enum Outgoing {
-    /// A record, shared with the store's tail and every other subscriber.
-    Record(Arc<Committed>),
+    /// A record, shared with the store's tail and every other subscriber, and the shape this
+    /// subscriber asked for.
+    Record(Arc<Committed>, Shape),
     Message(pb::SubscribeResponse),
 }
 
@@ -156,7 +157,9 @@ impl Outgoing {
     /// The message to send: a record's is encoded once, and every subscriber sends its bytes.
     pub(crate) fn into_message(self) -> SubscribeOut {
         match self {
-            Outgoing::Record(c) => SubscribeOut::Encoded(c.subscribe_encoded(subscribe_bytes)),
+            Outgoing::Record(c, shape) => {
+                SubscribeOut::Encoded(c.subscribe_encoded(shape == Shape::Lean, |r| subscribe_bytes(r, shape)))
+            }
             Outgoing::Message(m) => SubscribeOut::Message(m),
         }
     }
@@ -227,6 +230,8 @@ pub(crate) struct Subscriber {
     /// Only these ranks (`None`: all).
     pub ranks: Option<Vec<u32>>,
     pub snapshot_token_ids: bool,
+    /// The records' shape: lean when the client asked to omit token ids.
+    pub shape: Shape,
     pub start: Start,
     /// Snapshot slots, shared with the Snapshot RPC: a snapshot start waits for one.
     pub snapshot_slots: Arc<Semaphore>,
@@ -314,7 +319,7 @@ impl Subscriber {
                 for c in &records[..n] {
                     pos = c.record.cursor;
                     if self.wants(record_rank(&c.record)) {
-                        send(tx, Ok(Outgoing::Record(c.clone()))).await?;
+                        send(tx, Ok(Outgoing::Record(c.clone(), self.shape))).await?;
                         last_sent = Instant::now();
                     }
                 }

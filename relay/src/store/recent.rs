@@ -36,13 +36,14 @@ pub struct Committed {
     pub record: Record,
     /// Encoded size in the history.
     size: u64,
-    /// The Subscribe message for this record, encoded once.
-    subscribe: OnceLock<Bytes>,
+    /// The Subscribe messages for this record, each encoded once: full, and lean (what an
+    /// index needs, `SubscribeRequest.omit_token_ids`).
+    subscribe: [OnceLock<Bytes>; 2],
 }
 
 impl Committed {
     pub(crate) fn new(record: Record, size: u64) -> Self {
-        Committed { record, size, subscribe: OnceLock::new() }
+        Committed { record, size, subscribe: [OnceLock::new(), OnceLock::new()] }
     }
 
     /// The record's encoded size in the history.
@@ -50,10 +51,10 @@ impl Committed {
         self.size
     }
 
-    /// The record's Subscribe message, encoded: `make` runs for the first caller only, and every
-    /// caller shares its bytes.
-    pub fn subscribe_encoded(&self, make: impl FnOnce(&Record) -> Bytes) -> Bytes {
-        self.subscribe.get_or_init(|| make(&self.record)).clone()
+    /// The record's Subscribe message, encoded (`lean`: its lean shape): `make` runs for the
+    /// first caller of that shape only, and every caller shares its bytes.
+    pub fn subscribe_encoded(&self, lean: bool, make: impl FnOnce(&Record) -> Bytes) -> Bytes {
+        self.subscribe[usize::from(lean)].get_or_init(|| make(&self.record)).clone()
     }
 }
 
@@ -168,12 +169,14 @@ mod tests {
         let c = rec(1, 1);
         let mut made = 0;
         for _ in 0..3 {
-            let b = c.subscribe_encoded(|_| {
-                made += 1;
-                Bytes::from_static(b"x")
-            });
-            assert_eq!(b, Bytes::from_static(b"x"));
+            for (lean, bytes) in [(false, b"full"), (true, b"lean")] {
+                let b = c.subscribe_encoded(lean, |_| {
+                    made += 1;
+                    Bytes::from_static(bytes)
+                });
+                assert_eq!(b, Bytes::from_static(bytes));
+            }
         }
-        assert_eq!(made, 1);
+        assert_eq!(made, 2);
     }
 }

@@ -144,7 +144,15 @@ fn big_history() -> HistoryLimits {
 }
 
 fn req(epoch: u64, after_cursor: u64, incarnation: u32, allow_snapshot: bool) -> pb::SubscribeRequest {
-    pb::SubscribeRequest { epoch, after_cursor, incarnation, allow_snapshot, ranks: vec![], snapshot_token_ids: false }
+    pb::SubscribeRequest {
+        epoch,
+        after_cursor,
+        incarnation,
+        allow_snapshot,
+        ranks: vec![],
+        snapshot_token_ids: false,
+        omit_token_ids: false,
+    }
 }
 
 async fn next(s: &mut Streaming<pb::SubscribeResponse>) -> M {

@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use kv_relay::model::{Record, RecordBody};
 use kv_relay::normalize::Normalizer;
-use kv_relay::server::encode::subscribe_bytes;
+use kv_relay::server::encode::{subscribe_bytes, Shape};
 use kv_relay::wire;
 use kv_relay_proto::encoded::server::relay_server::{Relay, RelayServer};
 use kv_relay_proto::encoded::SubscribeOut;
@@ -154,7 +154,7 @@ pub fn main(spec: &str) {
                         let body = RecordBody::Batch { batch: n.batch, load: None, liveness: None };
                         let r = Record { cursor: *cursor, incarnation: 1, body };
                         // No receiver yet is not an error: nobody subscribes.
-                        let _ = shared.tx.send((*cursor, subscribe_bytes(&r)));
+                        let _ = shared.tx.send((*cursor, subscribe_bytes(&r, Shape::Full)));
                     }
                 })
                 .expect("thread"),

@@ -101,7 +101,7 @@ async fn session(
     let mut client = connect(url).await?;
     let s = client.status(pb::StatusRequest {}).await.map_err(|e| e.to_string())?;
     st.admission.apply_status(s.get_ref(), &st.index);
-    let req = st.admission.subscribe_request(true);
+    let req = st.admission.subscribe_request(true, false);
     let mut stream = client.subscribe(req).await.map_err(|e| e.to_string())?.into_inner();
     sh.sessions.fetch_add(1, Ordering::Relaxed);
     let mut events: Vec<ClientEvent> = Vec::new();

@@ -37,7 +37,7 @@ fn gap_applies_nothing_and_resumes_from_the_last_cursor() {
     assert_eq!(s.adm.position().cursor, 1);
     assert_eq!(s.adm.counters().gaps, 1);
     assert_eq!(s.events, vec![ClientEvent::Gap { relay: arc(URL), after: 1, got: 3 }]);
-    assert_eq!(s.adm.subscribe_request(true).after_cursor, 1);
+    assert_eq!(s.adm.subscribe_request(true, false).after_cursor, 1);
     assert_eq!(s.lookup(&H).blocks(s.worker(0)), 1, "record 3 was not applied");
     // The resumed stream sends 2 and 3.
     s.feed([batch(2, 0, vec![stored(Device, &H[1..2])]), batch(3, 0, vec![stored(Device, &H[2..3])])]);
@@ -107,7 +107,7 @@ fn snapshot_of_named_ranks_leaves_the_others() {
 fn epoch_change_swaps_in_the_new_epochs_state() {
     let mut s = Script::new();
     s.adm.apply_status(&pb::StatusResponse { epoch: 77, ..Default::default() }, &s.index);
-    assert_eq!(s.adm.subscribe_request(true).epoch, 77, "the first stream's epoch comes from Status");
+    assert_eq!(s.adm.subscribe_request(true, false).epoch, 77, "the first stream's epoch comes from Status");
     s.feed((1..=10).map(|c| batch(c, 0, vec![stored(Device, &[100 + c])])));
     assert_eq!(s.adm.position(), Position { epoch: 77, cursor: 10, incarnation: 1 });
     // The relay's store was wiped: a new epoch, cursors start over.
@@ -117,7 +117,7 @@ fn epoch_change_swaps_in_the_new_epochs_state() {
     assert_eq!(s.index.stats().blocks, 1);
     s.feed([batch(4, 0, vec![stored(Device, &H[1..2])])]);
     assert_eq!(s.lookup(&H), expected(&s, &[(0, TierId::DEVICE, &H[..2])]).lookup(&H));
-    let r = s.adm.subscribe_request(true);
+    let r = s.adm.subscribe_request(true, false);
     assert_eq!((r.epoch, r.after_cursor), (99, 4));
 }
 

@@ -65,7 +65,7 @@ struct Outcome {
     hash_check: Option<Vec<(u64, u64, u64)>>,
 }
 
-async fn replay_through_relay_and_follower(name: &str) -> Outcome {
+async fn replay_through_relay_and_follower(name: &str, full_records: bool) -> Outcome {
     let f = Fixture::load(name);
     let ranks = f.ranks();
     let mut cfg = EngineConfig::new(f.wire());
@@ -96,7 +96,7 @@ async fn replay_through_relay_and_follower(name: &str) -> Outcome {
     let daemon = crate::util::Daemon::start(&argv).await;
     let (status, store): (RelayStatusHandle, _) = (daemon.running.status.clone(), daemon.running.store.clone());
     let url = daemon.url();
-    let follower = crate::util::quick_follower();
+    let follower = crate::util::quick_follower_of(full_records);
     follower.add_relay(&url).unwrap();
 
     let want = expected_by_worker(&f);
@@ -203,7 +203,7 @@ async fn the_captures_replay_through_the_relay_into_the_client_equal_to_each_man
     assert_eq!(names.len(), 22);
     let mut lookups = Vec::new();
     for name in &names {
-        let o = replay_through_relay_and_follower(name).await;
+        let o = replay_through_relay_and_follower(name, false).await;
         let figures = HASH_CHECK_FIGURES.iter().find(|(n, _)| n == name).map(|(_, c)| c.to_vec());
         assert_eq!(o.hash_check, figures, "{name}: the relay's hash check");
         if o.lookups > 0 {
@@ -226,4 +226,16 @@ async fn the_captures_replay_through_the_relay_into_the_client_equal_to_each_man
             ("vllm-sha256cbor", 44, 94),
         ]
     );
+}
+
+/// A relay that predates lean records sends full ones however it is asked: the follower takes
+/// them to the same index (the captures above run lean, the follower's default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn full_records_from_a_relay_build_the_same_index_as_lean_ones() {
+    for name in ["vllm-dp2", "sglang-dp2", "vllm-hybrid"] {
+        let (lean, full) =
+            (replay_through_relay_and_follower(name, false).await, replay_through_relay_and_follower(name, true).await);
+        assert_eq!((full.lookups, full.matched_blocks), (lean.lookups, lean.matched_blocks), "{name}");
+        assert_eq!(full.hash_check, lean.hash_check, "{name}");
+    }
 }

@@ -187,7 +187,15 @@ pub async fn serve_relay<R: kv_relay_proto::pb::relay_server::Relay>(
 /// A follower that reconnects quickly (20 ms, up to 200 ms), for tests against a real relay.
 #[allow(dead_code)]
 pub fn quick_follower() -> kv_router_client::Follower {
+    quick_follower_of(false)
+}
+
+/// [`quick_follower`], asking for full records (with token ids) when `full_records`: what a
+/// relay that predates lean records sends whatever it is asked.
+#[allow(dead_code)]
+pub fn quick_follower_of(full_records: bool) -> kv_router_client::Follower {
     kv_router_client::Follower::new(kv_router_client::FollowConfig {
+        full_records,
         backoff: kv_router_client::backoff::BackoffConfig {
             initial: std::time::Duration::from_millis(20),
             max: std::time::Duration::from_millis(200),
