@@ -25,24 +25,14 @@ fn mix(mut x: u64) -> u64 {
 
 fn stored(i: u64) -> Event {
     let base = i * BLOCKS_PER_BATCH;
+    let blocks = (0..BLOCKS_PER_BATCH)
+        .map(|j| {
+            Block::new(mix(base + j), (0..TOKENS_PER_BLOCK).map(|t| (mix(base + j) as u32).wrapping_add(t)).collect())
+        })
+        .collect();
     Event::Stored(Stored {
-        tier: Tier::Device,
-        group: Group::default(),
         parent: (i > 0).then(|| mix(base - 1)),
-        block_size: TOKENS_PER_BLOCK,
-        token_layout: TokenLayout::Single,
-        blocks: (0..BLOCKS_PER_BATCH)
-            .map(|j| Block {
-                hash: mix(base + j),
-                token_ids: (0..TOKENS_PER_BLOCK).map(|t| (mix(base + j) as u32).wrapping_add(t)).collect(),
-                extra_keys: None,
-            })
-            .collect(),
-        namespace: Namespace::default(),
-        session_id: None,
-        ownership: None,
-        lookahead_token_ids: None,
-        block_mm_infos: None,
+        ..Stored::plain(Tier::Device, 0, TOKENS_PER_BLOCK, blocks)
     })
 }
 

@@ -283,7 +283,7 @@ fn commit_holdable(store: &Store, group: &mut Vec<RecordBody>, status: &RelaySta
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Batch, Block, Event, Group, Namespace, Stored, Tier, TokenLayout};
+    use crate::model::{Batch, Block, Event, Stored, Tier};
     use crate::shutdown::ShutdownTrigger;
     use crate::store::StoreConfig;
 
@@ -293,19 +293,7 @@ mod tests {
                 dp_rank: 1,
                 seq,
                 ts: 0.0,
-                events: vec![Event::Stored(Stored {
-                    tier,
-                    group: Group::default(),
-                    parent: None,
-                    block_size: 16,
-                    token_layout: TokenLayout::Single,
-                    blocks: vec![Block { hash, token_ids: vec![], extra_keys: None }],
-                    namespace: Namespace::default(),
-                    session_id: None,
-                    ownership: None,
-                    lookahead_token_ids: None,
-                    block_mm_infos: None,
-                })],
+                events: vec![Event::Stored(Stored::plain(tier, 0, 16, vec![Block::new(hash, vec![])]))],
             },
             drops: Default::default(),
             refilled: false,

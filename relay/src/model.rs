@@ -205,6 +205,13 @@ pub struct Block {
     pub extra_keys: Option<KeyPart>,
 }
 
+impl Block {
+    /// A block with its token ids and no extra keys.
+    pub fn new(hash: BlockHash, token_ids: Vec<u32>) -> Block {
+        Block { hash, token_ids, extra_keys: None }
+    }
+}
+
 /// A KV-cache group (vLLM 0.20+; engines without groups are group 0).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Group {

@@ -628,28 +628,16 @@ impl LiveSet {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{Batch, Block, Cleared, Group, Removed, Stored};
+    use crate::model::{Batch, Block, Cleared, Removed, Stored};
 
     fn stored(hashes: &[u64], ns: Option<&str>, tokens: usize) -> Event {
+        let blocks = hashes
+            .iter()
+            .map(|&hash| Block::new(hash, (0..tokens as u32).map(|t| t + hash as u32).collect()))
+            .collect();
         Event::Stored(Stored {
-            tier: Tier::Device,
-            group: Group::default(),
-            parent: None,
-            block_size: 4,
-            token_layout: TokenLayout::Single,
-            blocks: hashes
-                .iter()
-                .map(|&hash| Block {
-                    hash,
-                    token_ids: (0..tokens as u32).map(|t| t + hash as u32).collect(),
-                    extra_keys: None,
-                })
-                .collect(),
             namespace: Namespace { cache_salt: ns.map(str::to_string), ..Default::default() },
-            session_id: None,
-            ownership: None,
-            lookahead_token_ids: None,
-            block_mm_infos: None,
+            ..Stored::plain(Tier::Device, 0, 4, blocks)
         })
     }
 

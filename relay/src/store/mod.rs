@@ -243,24 +243,11 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::{
-        Batch, Block, Cleared, Event, Group, Namespace, Record, RecordBody, Removed, Stored, Tier, TokenLayout,
-    };
+    use crate::model::{Batch, Block, Cleared, Event, Record, RecordBody, Removed, Stored, Tier};
 
     fn stored(hashes: &[u64]) -> Event {
-        Event::Stored(Stored {
-            tier: Tier::Device,
-            group: Group::default(),
-            parent: None,
-            block_size: 4,
-            token_layout: TokenLayout::Single,
-            blocks: hashes.iter().map(|&hash| Block { hash, token_ids: vec![1, 2, 3, 4], extra_keys: None }).collect(),
-            namespace: Namespace::default(),
-            session_id: None,
-            ownership: None,
-            lookahead_token_ids: None,
-            block_mm_infos: None,
-        })
+        let blocks = hashes.iter().map(|&hash| Block::new(hash, vec![1, 2, 3, 4])).collect();
+        Event::Stored(Stored::plain(Tier::Device, 0, 4, blocks))
     }
 
     fn batch(seq: u64, events: Vec<Event>) -> RecordBody {

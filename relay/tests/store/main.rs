@@ -29,19 +29,8 @@ fn open(dir: &Path) -> Store {
 }
 
 fn stored(tier: Tier, group: u32, parent: Option<u64>, hashes: &[u64]) -> Event {
-    Event::Stored(Stored {
-        tier,
-        group: Group { idx: group, kind: None, sliding_window: None },
-        parent,
-        block_size: 2,
-        token_layout: TokenLayout::Single,
-        blocks: hashes.iter().map(|&h| Block { hash: h, token_ids: vec![h as u32, 7], extra_keys: None }).collect(),
-        namespace: Namespace::default(),
-        session_id: None,
-        ownership: None,
-        lookahead_token_ids: None,
-        block_mm_infos: None,
-    })
+    let blocks = hashes.iter().map(|&h| Block::new(h, vec![h as u32, 7])).collect();
+    Event::Stored(Stored { parent, ..Stored::plain(tier, group, 2, blocks) })
 }
 
 fn removed(tier: Tier, group: u32, hashes: &[u64]) -> Event {

@@ -21,7 +21,7 @@ pub fn shared() -> Vec<u64> {
 }
 
 fn stored(tier: Tier, hashes: &[u64]) -> Event {
-    let blocks = hashes.iter().map(|&hash| Block { hash, token_ids: vec![], extra_keys: None }).collect();
+    let blocks = hashes.iter().map(|&hash| Block::new(hash, vec![])).collect();
     Event::Stored(Stored::plain(tier, 0, 16, blocks))
 }
 
