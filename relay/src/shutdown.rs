@@ -44,10 +44,10 @@ impl Drop for ShutdownTrigger {
 }
 
 impl Shutdown {
-    /// Whether the signal is set (or its trigger gone). Cheap: a blocking thread asks it each turn
-    /// of its loop.
+    /// Whether the signal is set (a trigger sets it when dropped, too). Cheap: a blocking thread
+    /// asks it each turn of its loop.
     pub fn is_shutdown(&self) -> bool {
-        *self.0.borrow() || self.0.has_changed().is_err()
+        *self.0.borrow()
     }
 
     /// Waits until the signal is set (at once if it is, or if its trigger is gone).

@@ -124,12 +124,9 @@ impl Drop for Relay {
     }
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !f() {
-        assert!(Instant::now() < deadline, "timed out waiting for {what}");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+fn wait_for(what: &str, f: impl FnMut() -> bool) {
+    let waited = kv_relay_testkit::kit::poll_until(Duration::from_secs(15), Duration::from_millis(20), f);
+    assert!(waited.is_some(), "timed out waiting for {what}");
 }
 
 fn wait_equal(relay: &Relay, e: &MockEngine) {

@@ -548,12 +548,12 @@ mod tests {
         assert_eq!(subscribe_bytes(&control, Shape::Lean), subscribe_bytes(&control, Shape::Full));
     }
 
-    /// The fields this module writes by hand, per message of the contract: (number, name,
-    /// type). A field the contract adds, renumbers, renames or retypes in one of them fails
-    /// [`the_contract_has_no_field_the_encoder_does_not_write`] until the encoder writes it.
     /// A message's fields: (number, name, type).
     type Fields = &'static [(i32, &'static str, &'static str)];
 
+    /// The fields this module writes by hand, per message of the contract. A field the contract
+    /// adds, renumbers, renames or retypes in one of them fails
+    /// [`the_contract_has_no_field_the_encoder_does_not_write`] until the encoder writes it.
     const WRITTEN: &[(&str, Fields)] = &[
         ("SubscribeResponse", &[(1, "batch", ".kv_relay.v1.Batch")]),
         (

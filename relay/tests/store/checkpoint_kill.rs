@@ -67,7 +67,6 @@ fn ckpt_crash_child() {
 #[test]
 fn kill_9_inside_checkpoints_leaves_the_previous_checkpoint_and_the_log_exact() {
     use std::io::BufRead;
-    use std::process::{Command, Stdio};
     use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
@@ -76,13 +75,8 @@ fn kill_9_inside_checkpoints_leaves_the_previous_checkpoint_and_the_log_exact() 
     let (mut inside, mut checkpointed) = (0, 0);
     let rounds = 12;
     for round in 0..rounds {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["checkpoint_kill::ckpt_crash_child", "--exact", "--nocapture", "--test-threads", "1"])
-            .env(CKPT_CHILD_DIR, dir.path())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
+        let mut child =
+            child_test("checkpoint_kill::ckpt_crash_child").env(CKPT_CHILD_DIR, dir.path()).spawn().unwrap();
         // (opened, a checkpoint begun and not ended, checkpoints ended)
         let seen = Arc::new(Mutex::new((false, false, 0u32)));
         let reader = {

@@ -115,14 +115,8 @@ fn a_full_disk_refuses_commits_until_there_is_room_and_loses_nothing() {
     use std::time::{Duration, Instant};
     let disk = SmallDisk::mount("6m");
     let path = disk.dir.path().join("state");
-    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["disk::disk_fill_child", "--exact", "--nocapture", "--test-threads", "1"])
-        .env(FILL_DIR, &path)
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut child =
+        child_test("disk::disk_fill_child").env(FILL_DIR, &path).stdin(std::process::Stdio::piped()).spawn().unwrap();
     // The child fills the disk until a write fails, then waits for room.
     let mut lines = std::io::BufReader::new(child.stdout.take().unwrap()).lines();
     let mut out = String::new();

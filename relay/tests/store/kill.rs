@@ -77,7 +77,6 @@ fn crash_child() {
 #[test]
 fn kill_9_at_random_moments_keeps_the_store_consistent() {
     use std::io::BufRead;
-    use std::process::{Command, Stdio};
     use std::sync::{Arc, Mutex};
     use std::time::{Duration, Instant};
 
@@ -88,12 +87,9 @@ fn kill_9_at_random_moments_keeps_the_store_consistent() {
     let mut rounds_with_lost_tail = 0;
     let rounds = 20;
     for round in 0..rounds {
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args(["kill::crash_child", "--exact", "--nocapture", "--test-threads", "1"])
+        let mut child = child_test("kill::crash_child")
             .env(CHILD_DIR, dir.path())
             .env(CHILD_SEED, seed.to_string())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         // (incarnation, newest at open, newest cursor the child saw committed)

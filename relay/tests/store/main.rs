@@ -256,6 +256,16 @@ fn cfg_manual(dir: &Path, max_batches: u64) -> StoreConfig {
     }
 }
 
+/// This test binary run again for the one test `name` (a crash child), its stdout piped and
+/// its stderr dropped; the caller adds the child's environment and spawns it.
+fn child_test(name: &str) -> std::process::Command {
+    let mut c = std::process::Command::new(std::env::current_exe().unwrap());
+    c.args([name, "--exact", "--nocapture", "--test-threads", "1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null());
+    c
+}
+
 mod bounds;
 mod checkpoint_kill;
 mod disk;
